@@ -1,0 +1,26 @@
+"""lookahead-opd: validation-gated weight extrapolation (EffOPD) for any torch optimizer.
+
+The core (this package) depends on torch and numpy only; ``lookahead_opd.integrations``
+holds the Hugging Face, vLLM and on-policy-distillation code and imports those lazily.
+"""
+
+from .extrapolator import Extrapolator, JumpRecord
+from .optimizer import ExtrapolatingOptimizer
+from .schedule import Every, PowersOfTwo, Schedule, Steps
+from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExtrapolatingOptimizer",
+    "Extrapolator",
+    "JumpRecord",
+    "Schedule",
+    "PowersOfTwo",
+    "Every",
+    "Steps",
+    "SnapshotStore",
+    "FullSnapshot",
+    "LowRankSnapshot",
+    "__version__",
+]

@@ -1,0 +1,54 @@
+"""One decision on every rank.
+
+Under ``torch.distributed`` each rank scores a candidate on its own slice of the gate set;
+the scores are averaged (``reduce="mean"``) or rank 0's is broadcast (``reduce="rank0"``) so
+that every rank accepts or rejects the same candidates and DDP replicas stay identical.
+FSDP2 parameters are DTensors: the extrapolator works on their local shards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["REDUCTIONS", "is_distributed", "reduce_score", "local_tensor"]
+
+REDUCTIONS = ("mean", "rank0")
+
+
+def is_distributed(group: object | None = None) -> bool:
+    """True when a process group is initialised and has more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _score_device(group: object | None) -> torch.device:
+    # NCCL only moves CUDA tensors; gloo and the rest take CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_score(score: float, how: str = "mean", group: object | None = None) -> float:
+    """The score every rank acts on: the mean over ranks, or rank 0's. A no-op when not
+    distributed. A NaN on any rank makes the mean NaN, so all ranks reject together."""
+    if how not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {how!r}")
+    if not is_distributed(group):
+        return score
+    t = torch.tensor([score], dtype=torch.float64, device=_score_device(group))
+    if how == "mean":
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        t /= dist.get_world_size(group)
+    else:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+    return float(t.item())
+
+
+def local_tensor(param: Tensor) -> Tensor:
+    """The tensor the extrapolator reads and writes: a DTensor's local shard, else itself."""
+    to_local = getattr(param, "to_local", None)
+    if to_local is not None and type(param).__name__ == "DTensor":
+        return to_local()
+    return param

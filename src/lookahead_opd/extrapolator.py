@@ -1,0 +1,451 @@
+"""The EffOPD gated search over a set of parameters, usable from any training loop.
+
+After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
+
+1. scores the current weights ``W_t`` (``s0 = eval_fn()``) and keeps ``W_t`` exactly;
+2. forms the direction ``Δ = W_t − anchor`` (``direction="secant"``) or the difference of the
+   current and previous windows' weight averages (``direction="averaged"``, candidates then
+   start from the current average, so ``c = 0`` is the window average itself);
+3. tries ``W = base + c·Δ`` for each coefficient ``c`` in order (fp32 math, cast to the
+   parameter dtype), keeping a candidate only while it beats the best score by more than
+   ``min_improvement``, and stops at the first that does not;
+4. leaves the best weights in place bit-exactly and makes them the next anchor.
+
+The optimizer's state and step count are left alone unless ``on_jump="reset"``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .schedule import CoefficientSpec, ScheduleSpec, make_schedule, resolve_coefficients
+from .snapshot import FullSnapshot, LowRankSnapshot, ReferenceSpec, SnapshotStore
+
+__all__ = ["Extrapolator", "JumpRecord", "ParamsSpec"]
+
+logger = logging.getLogger(__name__)
+
+ParamsSpec = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]]]
+
+_MODES = ("max", "min")
+_DIRECTIONS = ("secant", "averaged")
+_ON_JUMP = ("keep", "reset")
+_STATE_VERSION = 1
+
+
+@dataclass
+class JumpRecord:
+    """What one search did. ``accepted`` is the kept coefficient, or ``None`` when the
+    weights were left at ``W_t``; ``scores[i]`` is the score of ``coefficients[i]``."""
+
+    step: int
+    score_before: float
+    coefficients: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    accepted: float | None = None
+    n_evals: int = 0
+    seconds: float = 0.0
+    direction_norm: float = 0.0
+    geometry: dict[str, float] | None = None
+
+    @property
+    def best_score(self) -> float:
+        """The gate score of the weights left in place."""
+        if self.accepted is None:
+            return self.score_before
+        return self.scores[self.coefficients.index(self.accepted)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> JumpRecord:
+        return cls(**dict(d))
+
+
+def _named(params: ParamsSpec) -> list[tuple[str, Tensor]]:
+    items = list(params)
+    out: list[tuple[str, Tensor]] = []
+    for i, item in enumerate(items):
+        if isinstance(item, Tensor):
+            out.append((f"param.{i}", item))
+        elif (
+            isinstance(item, tuple)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and isinstance(item[1], Tensor)
+        ):
+            out.append(item)
+        else:
+            raise TypeError(
+                f"params must be tensors or (name, tensor) pairs, got {type(item).__name__} at {i}"
+            )
+    names = [n for n, _ in out]
+    if len(set(names)) != len(names):
+        raise ValueError("params contain duplicate names")
+    if len({id(p) for _, p in out}) != len(out):
+        raise ValueError("params contain the same tensor twice")
+    for name, p in out:
+        if not p.is_floating_point():
+            raise TypeError(f"param {name!r} has dtype {p.dtype}; only floating-point params extrapolate")
+    return out
+
+
+def _to_score(value: object) -> float:
+    if isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"eval_fn must return one number, got a tensor of shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"eval_fn must return a real number, got {type(value).__name__}: {value!r}")
+    return float(value)
+
+
+class Extrapolator:
+    """Schedule + anchor + validation-gated extrapolation over a list of parameters.
+
+    Args:
+        params: tensors or ``(name, tensor)`` pairs to extrapolate (names matter only for a
+            low-rank ``reference`` state dict and for geometry logs).
+        eval_fn: no arguments, returns a number; higher is better unless ``mode="min"``.
+        mode: ``"max"`` or ``"min"``.
+        min_improvement: a candidate must beat the best score by more than this.
+        schedule, every: when to search (see ``schedule.make_schedule``).
+        coefficients, max_candidates: which ``c`` to try (see ``schedule.resolve_coefficients``).
+        snapshot: ``"full"``, ``"lowrank"`` (needs ``rank``) or a ``SnapshotStore``.
+        rank, reference: the low-rank store's rank and reference weights.
+        offload: ``"cpu"`` keeps the anchor, the restore buffer and the running average on
+            the CPU instead of the parameters' device.
+        direction: ``"secant"`` (the paper) or ``"averaged"`` (window averages).
+        on_jump: ``"keep"`` the optimizer state after an accepted jump, or ``"reset"`` it for
+            the jumped params (needs ``optimizer``).
+        reduce: ``"mean"`` or ``"rank0"``, how scores combine across ``torch.distributed`` ranks.
+        log_geometry: record ``lookahead_opd.geometry.summarize`` of each direction.
+    """
+
+    def __init__(
+        self,
+        params: ParamsSpec,
+        eval_fn: Callable[[], float],
+        *,
+        mode: str = "max",
+        min_improvement: float = 0.0,
+        schedule: ScheduleSpec = "powers_of_two",
+        every: int | None = None,
+        coefficients: CoefficientSpec = "geometric",
+        max_candidates: int | None = None,
+        snapshot: str | SnapshotStore = "full",
+        rank: int | None = None,
+        reference: ReferenceSpec = None,
+        offload: str | None = None,
+        direction: str = "secant",
+        on_jump: str = "keep",
+        optimizer: torch.optim.Optimizer | None = None,
+        reduce: str = "mean",
+        process_group: object | None = None,
+        log_geometry: bool = False,
+    ) -> None:
+        if not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
+        _check_choice("mode", mode, _MODES)
+        _check_choice("direction", direction, _DIRECTIONS)
+        _check_choice("on_jump", on_jump, _ON_JUMP)
+        _check_choice("reduce", reduce, distributed.REDUCTIONS)
+        if offload not in (None, "cpu"):
+            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
+        if isinstance(min_improvement, bool) or not isinstance(min_improvement, numbers.Real):
+            raise TypeError(f"min_improvement must be a number, got {min_improvement!r}")
+        if not math.isfinite(min_improvement) or min_improvement < 0:
+            raise ValueError(f"min_improvement must be finite and >= 0, got {min_improvement!r}")
+        if on_jump == "reset" and optimizer is None:
+            raise ValueError("on_jump='reset' needs the optimizer whose state to reset")
+        self.eval_fn = eval_fn
+        self.mode = mode
+        self.min_improvement = float(min_improvement)
+        self.schedule = make_schedule(schedule, every)
+        self.coefficients = resolve_coefficients(
+            coefficients, max_candidates, allow_zero=direction == "averaged"
+        )
+        self.direction = direction
+        self.on_jump = on_jump
+        self.optimizer = optimizer
+        self.reduce = reduce
+        self.process_group = process_group
+        self.log_geometry = bool(log_geometry)
+        self._buffer_device = None if offload is None else torch.device(offload)
+        self.store = _make_store(snapshot, rank, reference, self._buffer_device, direction)
+
+        self.step_count = 0
+        self.history: list[JumpRecord] = []
+        self._names: list[str] = []
+        self._params: list[Tensor] = []
+        self._averages: list[Tensor] = []  # direction="averaged": running mean of this window
+        self._window_count = 0
+        self.add_params(params)
+        if not self._params:
+            raise ValueError("Extrapolator got no parameters to extrapolate")
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def params(self) -> list[Tensor]:
+        """The extrapolated parameters, in order."""
+        return list(self._params)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._names)
+
+    def add_params(self, params: ParamsSpec) -> None:
+        """Extrapolate more parameters from now on; their current values become the anchor."""
+        named = _named(params)
+        known = {id(p) for p in self._params}
+        clash = [n for n, p in named if id(p) in known or n in self._names]
+        if clash:
+            raise ValueError(f"params already extrapolated: {clash}")
+        if self._window_count:
+            # Mid-window additions would skew the average: start it over for everyone.
+            self._window_count = 0
+        self._names.extend(n for n, _ in named)
+        self._params.extend(p for _, p in named)
+        with torch.no_grad():
+            local = [distributed.local_tensor(p).detach() for _, p in named]
+            self.store.add([n for n, _ in named], local)
+            if self.direction == "averaged":
+                self._averages.extend(
+                    torch.zeros(t.shape, dtype=torch.float32, device=self._buffer_device or t.device)
+                    for t in local
+                )
+
+    def _local(self) -> Iterator[Tensor]:
+        return (distributed.local_tensor(p).detach() for p in self._params)
+
+    # ------------------------------------------------------------------ stepping
+    def after_step(self) -> JumpRecord | None:
+        """Count one optimizer step; run the gated search if the schedule says so."""
+        self.step_count += 1
+        if self.direction == "averaged":
+            self._accumulate_average()
+        if self.schedule.is_search_step(self.step_count):
+            return self.search()
+        return None
+
+    @torch.no_grad()
+    def _accumulate_average(self) -> None:
+        self._window_count += 1
+        w = 1.0 / self._window_count
+        for avg, p in zip(self._averages, self._local()):
+            avg.lerp_(p.to(avg.device, torch.float32), w)
+
+    def _score(self) -> float:
+        raw = _to_score(self.eval_fn())
+        score = distributed.reduce_score(raw, self.reduce, self.process_group)
+        if not math.isfinite(score):
+            warnings.warn(
+                f"eval_fn gave a non-finite score ({score}) at step {self.step_count}; "
+                "treated as a rejection",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return score
+
+    def _better(self, score: float, best: float) -> bool:
+        if not math.isfinite(score):
+            return False
+        if self.mode == "max":
+            return score > best + self.min_improvement
+        return score < best - self.min_improvement
+
+    def _base(self, i: int, backup: Sequence[Tensor], device: torch.device) -> Tensor:
+        """The fp32 point candidates start from: ``W_t`` or the window average."""
+        src = self._averages[i] if self.direction == "averaged" else backup[i]
+        return src.to(device=device, dtype=torch.float32)
+
+    @torch.no_grad()
+    def _apply(self, c: float | None, backup: Sequence[Tensor], measure: bool = False) -> float:
+        """Write ``base + c·Δ`` into every parameter (``c=None``: restore ``W_t`` exactly).
+        With ``measure``, also return ``‖Δ‖`` (else 0)."""
+        sq = 0.0
+        for i, p in enumerate(self._local()):
+            if c is None:
+                p.copy_(backup[i])
+                continue
+            base = self._base(i, backup, p.device)
+            anchor = self.store.anchor(i, p.device)
+            if measure:
+                sq += float(torch.sub(base, anchor).square().sum())
+            # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
+            p.copy_(torch.lerp(anchor, base, 1.0 + c))
+        return math.sqrt(sq)
+
+    @torch.no_grad()
+    def search(self) -> JumpRecord:
+        """Run one gated search now (normally called by ``after_step``) and record it."""
+        start = time.perf_counter()
+        record = JumpRecord(step=self.step_count, score_before=math.nan)
+        backup = [t.to(self._buffer_device or t.device, copy=True) for t in self._local()]
+        try:
+            best = record.score_before = self._score()
+            record.n_evals = 1
+            if self.log_geometry:
+                record.geometry = self._geometry(backup)
+            if not math.isfinite(best):
+                coefficients: tuple[float, ...] = ()
+            else:
+                coefficients = self.coefficients
+                if self.direction == "averaged" and self._window_count <= 1:
+                    # A one-step window's average is W_t itself: c = 0 would tie s0.
+                    coefficients = tuple(c for c in coefficients if c != 0)
+            for c in coefficients:
+                norm = self._apply(c, backup, measure=not record.coefficients)
+                if not record.coefficients:
+                    record.direction_norm = norm
+                score = self._score()
+                record.n_evals += 1
+                record.coefficients.append(c)
+                record.scores.append(score)
+                if not self._better(score, best):
+                    break
+                best, record.accepted = score, c
+            if record.coefficients and record.coefficients[-1] != record.accepted:
+                self._apply(record.accepted, backup)  # undo the rejected candidate exactly
+        except BaseException:
+            self._apply(None, backup)
+            raise
+        self._set_anchor(record.accepted is not None)
+        if record.accepted is not None and self.on_jump == "reset":
+            for p in self._params:
+                self.optimizer.state.pop(p, None)  # type: ignore[union-attr]
+        record.seconds = time.perf_counter() - start
+        self.history.append(record)
+        logger.info(
+            "search at step %d: score %.6g -> %.6g, accepted c=%s after %d evals (%.2fs)",
+            record.step,
+            record.score_before,
+            record.best_score,
+            record.accepted,
+            record.n_evals,
+            record.seconds,
+        )
+        return record
+
+    @torch.no_grad()
+    def _set_anchor(self, accepted: bool) -> None:
+        if self.direction == "secant" or accepted:
+            for i, p in enumerate(self._local()):
+                self.store.capture(i, p)
+        else:
+            for i, avg in enumerate(self._averages):
+                self.store.capture(i, avg)
+        self._window_count = 0
+
+    def _geometry(self, backup: Sequence[Tensor]) -> dict[str, float]:
+        from .geometry import summarize
+
+        return summarize(_LazyDirections(self, backup))
+
+    # ------------------------------------------------------------------ memory and state
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held between searches: the anchor store and the running average."""
+        return {
+            "anchor": self.store.nbytes(),
+            "average": sum(a.numel() * a.element_size() for a in self._averages),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counter, anchor, running average and history; tensors are references, as in
+        ``torch.optim.Optimizer.state_dict``."""
+        return {
+            "version": _STATE_VERSION,
+            "step_count": self.step_count,
+            "direction": self.direction,
+            "names": list(self._names),
+            "anchor": self.store.state_dict(),
+            "averages": list(self._averages),
+            "window_count": self._window_count,
+            "history": [r.to_dict() for r in self.history],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned, into an extrapolator over the same params."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unknown extrapolator state version {state.get('version')!r}")
+        if state["direction"] != self.direction:
+            raise ValueError(
+                f"state was saved with direction={state['direction']!r}, this is {self.direction!r}"
+            )
+        if len(state["names"]) != len(self._params):
+            raise ValueError(
+                f"state holds {len(state['names'])} params, this extrapolator has {len(self._params)}"
+            )
+        self.store.load_state_dict(state["anchor"])
+        self._averages = [
+            a.to(device=mine.device, dtype=mine.dtype, copy=True)
+            for a, mine in zip(state["averages"], self._averages, strict=True)
+        ]
+        self.step_count = int(state["step_count"])
+        self._window_count = int(state["window_count"])
+        self.history = [JumpRecord.from_dict(r) for r in state["history"]]
+
+    def __repr__(self) -> str:
+        return (
+            f"Extrapolator({len(self._params)} params, schedule={self.schedule!r}, "
+            f"coefficients={self.coefficients}, direction={self.direction!r}, store={self.store!r})"
+        )
+
+
+class _LazyDirections(Mapping):
+    """``name -> Δ`` computed on access, so geometry logging holds one direction at a time."""
+
+    def __init__(self, ex: Extrapolator, backup: Sequence[Tensor]) -> None:
+        self._ex, self._backup = ex, backup
+        self._index = {n: i for i, n in enumerate(ex._names)}
+
+    def __getitem__(self, name: str) -> Tensor:
+        i = self._index[name]
+        device = self._backup[i].device
+        return self._ex._base(i, self._backup, device) - self._ex.store.anchor(i, device)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _make_store(
+    snapshot: str | SnapshotStore,
+    rank: int | None,
+    reference: ReferenceSpec,
+    device: torch.device | None,
+    direction: str,
+) -> SnapshotStore:
+    if isinstance(snapshot, SnapshotStore):
+        if rank is not None or reference is not None:
+            raise ValueError("rank= and reference= configure a snapshot by name; set them on the store")
+        return snapshot
+    if snapshot == "full":
+        if rank is not None or reference is not None:
+            raise ValueError("rank= and reference= apply to snapshot='lowrank' only")
+        # The averaged direction's anchor is an fp32 average: keep it in fp32.
+        return FullSnapshot(device=device, dtype=torch.float32 if direction == "averaged" else None)
+    if snapshot == "lowrank":
+        if rank is None:
+            raise ValueError("snapshot='lowrank' needs rank=r (a positive int)")
+        return LowRankSnapshot(rank, reference)
+    raise ValueError(f"snapshot must be 'full', 'lowrank' or a SnapshotStore, got {snapshot!r}")

@@ -1,0 +1,57 @@
+"""Which parameters to extrapolate.
+
+By default every trainable parameter of the wrapped optimizer is extrapolated. The EffOPD
+code extrapolates only the attention and MLP weights of the transformer blocks (embeddings,
+``lm_head`` and the final norm stay put); ``transformer_blocks`` reproduces that filter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import Tensor, nn
+
+__all__ = ["BLOCK_KEYWORDS", "transformer_blocks", "trainable"]
+
+# The substrings the paper's ``_should_modify_param`` matches (EffOPD fsdp_workers.py). Note
+# that ``post_attention_layernorm`` matches through "attention", as it does there.
+BLOCK_KEYWORDS: tuple[str, ...] = (
+    "attn",
+    "self_attn",
+    "attention",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "mlp",
+    "ffn",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def transformer_blocks(
+    model: nn.Module, keywords: Iterable[str] = BLOCK_KEYWORDS
+) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` pairs of the trainable attention/MLP weights of ``model``,
+    selected by name as the EffOPD code does. Raises if nothing matches, since extrapolating
+    nothing is never what the caller meant."""
+    keys = tuple(keywords)
+    chosen = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if p.requires_grad and any(k in name for k in keys)
+    ]
+    if not chosen:
+        names = [n for n, _ in model.named_parameters()][:8]
+        raise ValueError(
+            f"no parameter name contains any of {keys}; first names are {names}: "
+            "pass params= explicitly"
+        )
+    return chosen
+
+
+def trainable(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name, parameter)`` pairs of every parameter of ``model`` that requires grad."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
