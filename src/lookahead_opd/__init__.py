@@ -4,6 +4,7 @@ The core (this package) depends on torch and numpy only; ``lookahead_opd.integra
 holds the Hugging Face, vLLM and on-policy-distillation code and imports those lazily.
 """
 
+from .distributed import resharding
 from .extrapolator import Extrapolator, JumpRecord
 from .optimizer import ExtrapolatingOptimizer
 from .schedule import Every, PowersOfTwo, Schedule, Steps
@@ -22,5 +23,6 @@ __all__ = [
     "SnapshotStore",
     "FullSnapshot",
     "LowRankSnapshot",
+    "resharding",
     "__version__",
 ]

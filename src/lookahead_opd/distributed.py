@@ -3,16 +3,26 @@
 Under ``torch.distributed`` each rank scores a candidate on its own slice of the gate set;
 the scores are averaged (``reduce="mean"``) or rank 0's is broadcast (``reduce="rank0"``) so
 that every rank accepts or rejects the same candidates and DDP replicas stay identical.
-FSDP2 parameters are DTensors: the extrapolator works on their local shards.
+FSDP2 parameters are DTensors: the extrapolator works on their local shards. FSDP2 keeps
+the root module (and any module built with ``reshard_after_forward=False``) unsharded after a
+no-grad forward, so an ``eval_fn`` that only runs forwards would leave the model computing with
+a stale all-gathered copy, blind to the candidates written into the shards. Wrap it:
+``eval_fn=resharding(model, eval_fn)``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["REDUCTIONS", "is_distributed", "reduce_score", "local_tensor"]
+T = TypeVar("T")
+
+__all__ = ["REDUCTIONS", "is_distributed", "reduce_score", "local_tensor", "resharding"]
 
 REDUCTIONS = ("mean", "rank0")
 
@@ -52,3 +62,32 @@ def local_tensor(param: Tensor) -> Tensor:
     if to_local is not None and type(param).__name__ == "DTensor":
         return to_local()
     return param
+
+
+def _fsdp_module_type() -> type | None:
+    try:
+        from torch.distributed.fsdp import FSDPModule  # torch >= 2.6
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:
+            return None
+    return FSDPModule
+
+
+def resharding(module: nn.Module, eval_fn: Callable[[], T]) -> Callable[[], T]:
+    """``eval_fn`` followed by ``reshard()`` of every FSDP2 module in ``module``, so the next
+    forward all-gathers the shards the extrapolator wrote. Harmless without FSDP2."""
+    fsdp_type = _fsdp_module_type()
+
+    @functools.wraps(eval_fn)
+    def wrapped() -> T:
+        try:
+            return eval_fn()
+        finally:
+            if fsdp_type is not None:
+                for m in module.modules():
+                    if isinstance(m, fsdp_type):
+                        m.reshard()
+
+    return wrapped

@@ -244,7 +244,7 @@ class Extrapolator:
     def _accumulate_average(self) -> None:
         self._window_count += 1
         w = 1.0 / self._window_count
-        for avg, p in zip(self._averages, self._local()):
+        for avg, p in zip(self._averages, self._local(), strict=False):
             avg.lerp_(p.to(avg.device, torch.float32), w)
 
     def _score(self) -> float:

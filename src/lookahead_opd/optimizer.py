@@ -16,7 +16,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 

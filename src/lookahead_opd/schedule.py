@@ -7,6 +7,7 @@ tuple of ``c`` values tried at each search (candidate ``W + c·Δ``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Union
@@ -143,7 +144,7 @@ def resolve_coefficients(
     for c in values:
         if not math.isfinite(c) or c < 0 or (c == 0 and not allow_zero):
             raise ValueError(f"coefficients must be finite and {floor}, got {c!r} in {values!r}")
-    if any(b <= a for a, b in zip(values, values[1:])):
+    if any(b <= a for a, b in itertools.pairwise(values)):
         raise ValueError(f"coefficients must be strictly increasing, got {values!r}")
     if max_candidates is not None:
         values = values[:max_candidates]

@@ -1,0 +1,1 @@
+"""The reference on-policy distillation (OPD) loop: tasks, engines, losses, trainer."""

@@ -1,0 +1,623 @@
+"""Losses for on-policy distillation (OPD): per-token reverse-KL policy gradient and full-vocab KLs.
+
+Conventions (shared by every loss here):
+
+- Inputs are *aligned* per-token tensors over ``[B, T]``: position ``t`` of the logits / logprobs
+  scores ``tokens[:, t]``. Use :func:`shift_for_next_token` to get there from raw causal-LM
+  outputs.
+- ``completion_mask`` ``[B, T]`` (bool or 0/1) is 1 on sampled completion tokens only; prompt and
+  padding positions never affect a loss value or a gradient.
+- Every loss is ``sum over masked tokens / num_tokens``. Pass the number of completion tokens in
+  the whole gradient-accumulation window as ``num_tokens`` so that micro-batch losses (and their
+  gradients) add up to a per-token mean; ``None`` uses this batch's mask sum.
+- Math is done in fp32 (or fp64 when given fp64); teacher quantities never carry gradient.
+
+Pure torch: this module must not import transformers (vocab checks use duck typing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "LOSSES",
+    "LOSS_INPUTS",
+    "LossOutput",
+    "align_vocab",
+    "check_vocab_compatible",
+    "discounted_returns",
+    "generalized_jsd_loss",
+    "get_loss",
+    "reverse_kl_loss",
+    "reverse_kl_pg_loss",
+    "shift_for_next_token",
+    "token_logprobs",
+]
+
+# Rows of a no-grad logprob computation are processed in chunks of about this many logits, so a
+# bf16 teacher never needs a full fp32 copy of its [B, T, V] logits.
+_CHUNK_ELEMENTS = 1 << 25
+# Stand-in for log(0) inside KL sums: keeps 0·log 0 = 0 and gradients finite when logits hold -inf.
+_LOG_FLOOR = -1e4
+
+NumTokens = int | float | torch.Tensor | None
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+@dataclass
+class LossOutput:
+    """A loss to backpropagate plus detached metrics.
+
+    ``metrics`` are plain floats averaged over *this* batch's masked tokens (not divided by the
+    global ``num_tokens``); ``metrics["num_tokens"]`` is this batch's token count so callers can
+    weight micro-batches when aggregating.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (so gradcheck works)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_mask(
+    mask: torch.Tensor, shape: torch.Size, name: str = "completion_mask"
+) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of shape {tuple(shape)}, got {type(mask).__name__}"
+        )
+    if mask.shape != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(mask.shape)} but the per-token inputs have shape "
+            f"{tuple(shape)}; they must match (shift_for_next_token aligns causal-LM outputs)"
+        )
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point() or mask.dtype in _INT_DTYPES:
+        return mask != 0
+    raise TypeError(f"{name} must be bool or 0/1 numeric, got dtype {mask.dtype}")
+
+
+def _resolve_num_tokens(num_tokens: NumTokens, mask: torch.Tensor) -> torch.Tensor | float:
+    """The loss denominator: the caller's window-wide count, or this batch's mask sum (≥ 1)."""
+    if num_tokens is None:
+        return mask.sum().clamp(min=1).to(torch.float32)
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1:
+            raise ValueError(
+                f"num_tokens must be a scalar, got a tensor of shape {tuple(num_tokens.shape)}"
+            )
+        return num_tokens.to(device=mask.device, dtype=torch.float32).reshape(())
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | float):
+        raise TypeError(
+            f"num_tokens must be an int, float, scalar tensor or None, got {num_tokens!r}"
+        )
+    if not math.isfinite(num_tokens) or num_tokens <= 0:
+        raise ValueError(f"num_tokens must be a positive finite number, got {num_tokens!r}")
+    return float(num_tokens)
+
+
+def _check_temperature(temperature: float) -> None:
+    if (
+        not isinstance(temperature, int | float)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+
+
+def _check_logit_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
+    for name, t in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a [B, T, V] tensor, got {shape}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
+    if student_logits.shape[:2] != teacher_logits.shape[:2]:
+        raise ValueError(
+            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+            f"{tuple(teacher_logits.shape)} must share [B, T]"
+        )
+    if student_logits.shape[-1] != teacher_logits.shape[-1]:
+        raise ValueError(
+            f"vocab sizes differ: student_logits has V={student_logits.shape[-1]}, "
+            f"teacher_logits has V={teacher_logits.shape[-1]}; check the tokenizers with "
+            "check_vocab_compatible() and slice both with align_vocab(logits, vocab_size)"
+        )
+
+
+def _masked_rows(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the masked rows only ([N, V], compute dtype); the teacher's are detached.
+
+    Selecting rows first skips prompt/padding compute and makes masked positions unable to leak
+    NaN/inf into the loss or the gradient.
+    """
+    dtype = _compute_dtype(student_logits.dtype)
+    s = student_logits[mask].to(dtype)
+    with torch.no_grad():
+        t = teacher_logits.detach()[mask].to(dtype)
+        if temperature != 1.0:
+            t = t / temperature
+        lt = torch.log_softmax(t, dim=-1)
+    if temperature != 1.0:
+        s = s / temperature
+    ls = torch.log_softmax(s, dim=-1)
+    return ls, lt
+
+
+def _floor_log(lp: torch.Tensor) -> torch.Tensor:
+    """Replace -inf log-probs by a large finite value (gradient-safe, unlike where on p·log p)."""
+    return torch.where(torch.isneginf(lp), torch.full_like(lp, _LOG_FLOOR), lp)
+
+
+def _kl_rows(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """KL(p‖q) per row from log-probs: Σ_v p_v (log p_v − log q_v), with 0·log 0 = 0."""
+    return (lp.exp() * (_floor_log(lp) - _floor_log(lq))).sum(dim=-1)
+
+
+def _metrics(**values: torch.Tensor) -> dict[str, float]:
+    """Detach and convert scalar tensors to floats with a single device sync."""
+    stacked = torch.stack([v.detach().to(torch.float32).reshape(()) for v in values.values()])
+    return dict(zip(values, stacked.tolist(), strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# alignment and log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def shift_for_next_token(
+    logits: torch.Tensor, input_ids: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Standard causal shift: ``logits[:, :-1]`` score ``input_ids[:, 1:]`` under ``mask[:, 1:]``.
+
+    ``completion_mask`` marks completion tokens in ``input_ids``; the shifted mask therefore marks
+    the logit positions that predict a completion token. Returns views (no copies).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"input_ids must be [B, T] matching logits {tuple(logits.shape)}, "
+            f"got {tuple(input_ids.shape)}"
+        )
+    if completion_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"completion_mask {tuple(completion_mask.shape)} must match "
+            f"input_ids {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] < 2:
+        raise ValueError(f"need at least 2 positions to shift, got T={input_ids.shape[1]}")
+    return logits[:, :-1], input_ids[:, 1:], completion_mask[:, 1:]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[..., tokens]`` in fp32 (fp64 if given fp64), shape ``tokens.shape``.
+
+    Computed as ``logit[token] − logsumexp(logits)`` so no full log-softmax is materialised: with
+    grad, at most one fp32 copy of the logits exists (none if they are already fp32); without grad
+    (e.g. the teacher) rows are processed in chunks and no full fp32 copy is ever made.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor [..., V], got {logits!r:.80}")
+    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in _INT_DTYPES:
+        dtype = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise TypeError(f"tokens must be an integer tensor, got {dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"tokens {tuple(tokens.shape)} must match logits {tuple(logits.shape)} without the "
+            "vocab dim (aligned: logits at position t score tokens[t]; see shift_for_next_token)"
+        )
+    dtype = _compute_dtype(logits.dtype)
+    index = tokens.long().unsqueeze(-1)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        x = logits.to(dtype)
+        return x.gather(-1, index).squeeze(-1) - torch.logsumexp(x, dim=-1)
+
+    with torch.no_grad():
+        vocab = logits.shape[-1]
+        # [B, T, V] views such as logits[:, :-1] are not flattenable without a copy, but each
+        # row logits[b] is: iterate over rows, then chunk within a row.
+        rows = logits.detach().reshape(1, -1, vocab) if logits.dim() != 3 else logits.detach()
+        row_idx = index.reshape(rows.shape[0], rows.shape[1], 1)
+        out = torch.empty(rows.shape[:2], dtype=dtype, device=logits.device)
+        step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+        for b in range(rows.shape[0]):
+            for start in range(0, rows.shape[1], step):
+                chunk = rows[b, start : start + step].to(dtype)
+                sel = chunk.gather(-1, row_idx[b, start : start + step]).squeeze(-1)
+                out[b, start : start + step] = sel - torch.logsumexp(chunk, dim=-1)
+        return out.reshape(tokens.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# losses
+# ---------------------------------------------------------------------------------------------
+
+
+def discounted_returns(
+    values: torch.Tensor, completion_mask: torch.Tensor, discount: float
+) -> torch.Tensor:
+    """``G_t = Σ_{k≥t} γ^{k−t} A_k`` along each row, restarting at every masked position.
+
+    A return never crosses a masked position (prompt, padding, or the gap between packed
+    sequences) and is 0 there. Runs as a log2(T)-step parallel scan, so long sequences stay fast.
+    """
+    if values.dim() != 2:
+        raise ValueError(f"values must be [B, T], got shape {tuple(values.shape)}")
+    mask = _check_mask(completion_mask, values.shape)
+    if not isinstance(discount, int | float) or not 0.0 <= discount <= 1.0:
+        raise ValueError(f"discount must be a float in [0, 1], got {discount!r}")
+    b = torch.where(mask, values, torch.zeros_like(values))
+    if discount == 0.0 or values.shape[1] < 2:
+        return b
+    # Linear recurrence G_t = a_t·G_{t+1} + b_t with a_t = γ only when t and t+1 are both
+    # completion tokens; combined by doubling (Hillis–Steele) on the pair (a, b).
+    a = torch.zeros_like(b)
+    a[:, :-1] = torch.where(mask[:, :-1] & mask[:, 1:], discount, 0.0).to(b.dtype)
+    length, offset = values.shape[1], 1
+    while offset < length:
+        b_next = torch.zeros_like(b)
+        a_next = torch.zeros_like(a)
+        b_next[:, :-offset] = b[:, offset:]
+        a_next[:, :-offset] = a[:, offset:]
+        b = b + a * b_next
+        a = a * a_next
+        offset *= 2
+    return b
+
+
+def _clip_bounds(clip_ratio: float | tuple[float, float] | None) -> tuple[float, float] | None:
+    if clip_ratio is None:
+        return None
+    low, high = clip_ratio if isinstance(clip_ratio, tuple | list) else (clip_ratio, clip_ratio)
+    for v in (low, high):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ValueError(
+                "clip_ratio must be ε > 0 or a pair (ε_low, ε_high) of positive floats, "
+                f"got {clip_ratio!r}"
+            )
+    return 1.0 - float(low), 1.0 + float(high)
+
+
+def reverse_kl_pg_loss(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    sampler_logprobs: torch.Tensor | None = None,
+    discount: float = 0.0,
+    num_tokens: NumTokens = None,
+    clip_ratio: float | tuple[float, float] | None = None,
+) -> LossOutput:
+    """The OPD policy-gradient loss (EffOPD / tinker-cookbook): advantage = −(log π_s − log π_t).
+
+    ``A_t = −(lp_student_t − lp_teacher_t)`` from *detached* student log-probs (optionally the
+    discounted return over later completion tokens), then ``−Σ ratio_t·A_t / num_tokens`` with
+    ``ratio_t = exp(lp_student_t − sampler_lp_t)``; ``sampler_logprobs=None`` means the detached
+    student log-probs (ratio ≡ 1, gradient −A_t/num_tokens per token). ``clip_ratio=ε`` (or
+    ``(ε_low, ε_high)``) applies PPO's ``min(r·A, clip(r, 1−ε_low, 1+ε_high)·A)``.
+
+    Metrics: ``reverse_kl`` (mean per-token sample estimate lp_s − lp_t), ``advantage`` (mean A
+    after discounting), ``ratio`` (mean), ``clip_frac`` (fraction of tokens whose clipped branch
+    is active), ``num_tokens`` (this batch).
+    """
+    if not isinstance(student_logprobs, torch.Tensor) or student_logprobs.dim() != 2:
+        raise ValueError(
+            "student_logprobs must be a [B, T] tensor, "
+            f"got {getattr(student_logprobs, 'shape', student_logprobs)!r}"
+        )
+    shape = student_logprobs.shape
+    mask = _check_mask(completion_mask, shape)
+    others = {"teacher_logprobs": teacher_logprobs}
+    if sampler_logprobs is not None:
+        others["sampler_logprobs"] = sampler_logprobs
+    for name, t in others.items():
+        if not isinstance(t, torch.Tensor) or t.shape != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must have the shape of student_logprobs {tuple(shape)}, got {got}"
+            )
+    bounds = _clip_bounds(clip_ratio)
+    denom = _resolve_num_tokens(num_tokens, mask)
+
+    dtype = _compute_dtype(student_logprobs.dtype)
+    zero = torch.zeros((), dtype=dtype, device=student_logprobs.device)
+    # Masked positions may hold anything (even inf/nan): sanitise before any arithmetic.
+    lp = torch.where(mask, student_logprobs.to(dtype), zero)
+    lp_det = lp.detach()
+    lp_teacher = torch.where(mask, teacher_logprobs.detach().to(dtype), zero)
+    lp_old = (
+        lp_det
+        if sampler_logprobs is None
+        else torch.where(mask, sampler_logprobs.detach().to(dtype), zero)
+    )
+
+    rkl = lp_det - lp_teacher
+    advantages = discounted_returns(-rkl, mask, discount)
+    ratio = torch.exp(lp - lp_old)
+    objective = ratio * advantages
+    if bounds is not None:
+        clipped = ratio.clamp(bounds[0], bounds[1]) * advantages
+        clip_active = (clipped < objective) & mask
+        objective = torch.minimum(objective, clipped)
+    else:
+        clip_active = torch.zeros_like(mask)
+    objective = torch.where(mask, objective, zero)
+    loss = -objective.sum() / denom
+
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1).to(dtype)
+        metrics = _metrics(
+            reverse_kl=rkl.sum() / n,
+            advantage=advantages.sum() / n,
+            ratio=torch.where(mask, ratio.detach(), zero).sum() / n,
+            clip_frac=clip_active.sum() / n,
+            num_tokens=n_local,
+        )
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+def reverse_kl_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    num_tokens: NumTokens = None,
+    temperature: float = 1.0,
+) -> LossOutput:
+    """Exact full-vocabulary reverse KL(π_student ‖ π_teacher) per token, summed / num_tokens.
+
+    The analytic counterpart of :func:`reverse_kl_pg_loss` (no sampling variance, needs both
+    models' full logits). Gradient flows through the student only. Metrics: ``reverse_kl``
+    (mean per token), ``student_entropy``, ``num_tokens``.
+    """
+    _check_logit_pair(student_logits, teacher_logits)
+    mask = _check_mask(completion_mask, student_logits.shape[:2])
+    _check_temperature(temperature)
+    denom = _resolve_num_tokens(num_tokens, mask)
+
+    ls, lt = _masked_rows(student_logits, teacher_logits, mask, temperature)
+    per_token = _kl_rows(ls, lt)
+    loss = per_token.sum() / denom
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1)
+        entropy = -(ls.exp() * _floor_log(ls)).sum(dim=-1)
+        metrics = _metrics(
+            reverse_kl=per_token.sum() / n, student_entropy=entropy.sum() / n, num_tokens=n_local
+        )
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+def generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    num_tokens: NumTokens = None,
+    temperature: float = 1.0,
+) -> LossOutput:
+    """GKD's generalized JSD in TRL's convention, per token, summed / num_tokens.
+
+    ``beta=0``: forward KL(teacher ‖ student); ``beta=1``: reverse KL(student ‖ teacher);
+    otherwise ``beta·KL(teacher ‖ m) + (1−beta)·KL(student ‖ m)`` with
+    ``m = beta·p_teacher + (1−beta)·p_student``. As in TRL the endpoints are special-cased (the
+    mixture form itself tends to 0 at both ends). Gradient flows through the student only.
+    """
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 <= beta <= 1.0:
+        raise ValueError(
+            f"beta must be a float in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}"
+        )
+    _check_logit_pair(student_logits, teacher_logits)
+    mask = _check_mask(completion_mask, student_logits.shape[:2])
+    _check_temperature(temperature)
+    denom = _resolve_num_tokens(num_tokens, mask)
+
+    ls, lt = _masked_rows(student_logits, teacher_logits, mask, temperature)
+    if beta == 0.0:
+        per_token = _kl_rows(lt, ls)
+    elif beta == 1.0:
+        per_token = _kl_rows(ls, lt)
+    else:
+        # Floor first: logaddexp(-inf, -inf) has a NaN gradient.
+        lm = torch.logaddexp(_floor_log(ls) + math.log(1.0 - beta), _floor_log(lt) + math.log(beta))
+        per_token = beta * _kl_rows(lt, lm) + (1.0 - beta) * _kl_rows(ls, lm)
+    loss = per_token.sum() / denom
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1)
+        metrics = _metrics(
+            jsd=per_token.sum() / n, reverse_kl=_kl_rows(ls, lt).sum() / n, num_tokens=n_local
+        )
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+# ---------------------------------------------------------------------------------------------
+# vocabularies
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _VocabSide:
+    vocab: Mapping[str, int] | None = None  # token -> id, when a tokenizer/dict was given
+    logits_size: int | None = None  # rows of the output embedding, when a model/int was given
+    what: str = ""
+
+
+def _model_logits_size(obj: Any) -> int | None:
+    get_out = getattr(obj, "get_output_embeddings", None)
+    if callable(get_out):
+        head = get_out()
+        weight = getattr(head, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return int(weight.shape[0])
+    config = getattr(obj, "config", None)
+    if config is not None:
+        get_text = getattr(config, "get_text_config", None)
+        text_config = get_text() if callable(get_text) else config
+        size = getattr(text_config, "vocab_size", None) or getattr(config, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def _describe(obj: Any, role: str, tokenizer: Any = None) -> _VocabSide:
+    side = _VocabSide(what=f"{role} ({type(obj).__name__})")
+    if isinstance(obj, bool):
+        raise TypeError(
+            f"{role}: expected a tokenizer, model, vocab size or vocab dict, got {obj!r}"
+        )
+    if isinstance(obj, int):
+        side.logits_size = obj
+    elif isinstance(obj, Mapping):
+        side.vocab = obj
+    elif callable(getattr(obj, "get_vocab", None)):
+        side.vocab = obj.get_vocab()
+    else:
+        side.logits_size = _model_logits_size(obj)
+        if side.logits_size is None:
+            raise TypeError(
+                f"{role}: cannot read a vocabulary from {type(obj).__name__}; pass a tokenizer "
+                "(with get_vocab), a model (with config.vocab_size or get_output_embeddings), an "
+                "int vocab size, or a token->id dict"
+            )
+    if tokenizer is not None and side.vocab is None:
+        extra = _describe(tokenizer, f"{role}_tokenizer")
+        if extra.vocab is None:
+            raise TypeError(
+                f"{role}_tokenizer must be a tokenizer or token->id dict, "
+                f"got {type(tokenizer).__name__}"
+            )
+        side.vocab = extra.vocab
+    if side.logits_size is not None and side.logits_size <= 0:
+        raise ValueError(f"{role}: vocab size must be positive, got {side.logits_size}")
+    return side
+
+
+def _first_differences(a: Mapping[str, int], b: Mapping[str, int], limit: int = 3) -> list[str]:
+    out = []
+    for tok in sorted(
+        set(a) | set(b), key=lambda t: (min(a.get(t, 1 << 62), b.get(t, 1 << 62)), t)
+    ):
+        if a.get(tok) != b.get(tok):
+            out.append(f"{tok!r}: student id {a.get(tok)} vs teacher id {b.get(tok)}")
+            if len(out) == limit:
+                break
+    return out
+
+
+def check_vocab_compatible(
+    student: Any,
+    teacher: Any,
+    *,
+    student_tokenizer: Any = None,
+    teacher_tokenizer: Any = None,
+    tokenizer: Any = None,
+) -> int:
+    """Check that student and teacher score the same token ids; return the shared logits size.
+
+    ``student``/``teacher`` may each be a tokenizer (``get_vocab``), a model
+    (``config.vocab_size`` / ``get_output_embeddings``), an int vocab size or a token->id dict;
+    give the tokenizers with ``*_tokenizer`` (or one shared ``tokenizer``) when passing models
+    (ignored for a side that is already a tokenizer or dict).
+    Raises ``ValueError`` when the token->id maps differ, when a tokenizer has ids beyond a
+    model's logits, or when two models' sizes differ without tokenizers to prove them identical.
+    Embedding matrices padded past the tokenizer (``config.vocab_size > len(tokenizer)``) are
+    fine: slice both logits to the returned size with :func:`align_vocab`.
+    """
+    if tokenizer is not None:
+        if student_tokenizer is not None or teacher_tokenizer is not None:
+            raise ValueError(
+                "pass either tokenizer= (shared) or student_tokenizer=/teacher_tokenizer=, not both"
+            )
+        student_tokenizer = teacher_tokenizer = tokenizer
+    s = _describe(student, "student", student_tokenizer)
+    t = _describe(teacher, "teacher", teacher_tokenizer)
+
+    if s.vocab is not None and t.vocab is not None and s.vocab is not t.vocab:
+        if len(s.vocab) != len(t.vocab):
+            raise ValueError(
+                f"vocabularies differ in size: student has {len(s.vocab)} tokens, teacher has "
+                f"{len(t.vocab)}; OPD needs the same tokenizer for student and teacher"
+            )
+        if dict(s.vocab) != dict(t.vocab):
+            diffs = "; ".join(_first_differences(s.vocab, t.vocab))
+            raise ValueError(
+                f"vocabularies have the same size ({len(s.vocab)}) but different token->id maps "
+                f"(e.g. {diffs}); OPD needs the same tokenizer for student and teacher"
+            )
+    vocab = s.vocab if s.vocab is not None else t.vocab
+    needed = (max(vocab.values()) + 1 if vocab else 0) if vocab is not None else None
+
+    sizes = [x.logits_size for x in (s, t) if x.logits_size is not None]
+    for side in (s, t):
+        if side.logits_size is not None and needed is not None and side.logits_size < needed:
+            raise ValueError(
+                f"{side.what} has {side.logits_size} logits but the tokenizer uses ids up to "
+                f"{needed - 1}; the model cannot score every token"
+            )
+    if len(sizes) == 2 and sizes[0] != sizes[1] and vocab is None:
+        raise ValueError(
+            f"model vocab sizes differ (student {s.logits_size}, teacher {t.logits_size}) and no "
+            "tokenizers were given to show they share one; pass student_tokenizer=/"
+            "teacher_tokenizer= (or tokenizer=) so padded embedding matrices can be told apart "
+            "from different vocabularies"
+        )
+    if sizes:
+        return min(sizes)
+    assert needed is not None
+    return needed
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Slice ``logits[..., :vocab_size]`` (a view) so padded-vocab models share one size."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+    if logits.shape[-1] < vocab_size:
+        raise ValueError(
+            f"logits have V={logits.shape[-1]} < vocab_size={vocab_size}; can only slice down, "
+            "use the size returned by check_vocab_compatible"
+        )
+    return logits[..., :vocab_size]
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+
+LOSSES: dict[str, Callable[..., LossOutput]] = {
+    "reverse_kl_pg": reverse_kl_pg_loss,
+    "reverse_kl": reverse_kl_loss,
+    "jsd": generalized_jsd_loss,
+}
+# What each loss consumes: per-token log-probs [B, T] or full logits [B, T, V] of both models.
+LOSS_INPUTS: dict[str, str] = {"reverse_kl_pg": "logprobs", "reverse_kl": "logits", "jsd": "logits"}
+
+
+def get_loss(name: str) -> Callable[..., LossOutput]:
+    """Look a loss up by its config name (``reverse_kl_pg``, ``reverse_kl``, ``jsd``)."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; accepted names: {', '.join(sorted(LOSSES))}")
+    return LOSSES[key]

@@ -1,0 +1,44 @@
+"""The ``lookahead-opd`` command. Each subcommand imports its module only when it runs, so
+``lookahead-opd toy`` works with the torch-only core and the others fail with one clear line
+when the ``hf`` extra is missing."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module with a ``main(argv) -> int``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("lookahead_opd.toy", "the main job: training with and without the wrapper, compared"),
+    "toy": ("lookahead_opd.toy", "torch-only example: a small MLP trained plain and wrapped"),
+}
+
+_USAGE = "usage: lookahead-opd {" + ",".join(COMMANDS) + "} [options]   (-h after a command for its options)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch ``lookahead-opd <command> [options]`` to the command's module."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE)
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:<10} {help_}")
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"lookahead-opd: unknown command {name!r}; expected one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    module_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:  # an optional extra is missing
+        print(f"lookahead-opd {name}: {err}. Install the extra: pip install 'lookahead-opd[hf]'",
+              file=sys.stderr)
+        return 1
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Anchor stores: exactness, memory bounds and round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lookahead_opd import ExtrapolatingOptimizer, FullSnapshot, LowRankSnapshot
+
+
+def low_rank(m: int, n: int, r: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, r, generator=g) @ torch.randn(r, n, generator=g)
+
+
+def test_full_snapshot_is_exact_in_the_param_dtype():
+    t = torch.randn(5, 7).to(torch.bfloat16)
+    original = t.clone()
+    store = FullSnapshot()
+    store.add(["w"], [t])
+    t.add_(1.0)  # the store holds a copy, not a view
+    assert torch.equal(store.anchor(0, t.device), original.float())
+    assert store.nbytes() == 5 * 7 * 2
+
+
+def test_full_snapshot_offload_and_dtype():
+    store = FullSnapshot(device="cpu", dtype=torch.float32)
+    store.add(["w"], [torch.ones(3, dtype=torch.bfloat16)])
+    assert store.nbytes() == 12
+    assert store.state_dict()["anchors"][0].dtype == torch.float32
+
+
+@given(
+    m=st.integers(8, 40),
+    n=st.integers(8, 40),
+    true_rank=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 1000),
+)
+def test_low_rank_is_exact_when_the_update_rank_fits(m, n, true_rank, extra, seed):
+    rank = true_rank + extra
+    reference = torch.randn(m, n, generator=torch.Generator().manual_seed(seed + 1))
+    update = low_rank(m, n, true_rank, seed)
+    store = LowRankSnapshot(rank)
+    store.add(["w"], [reference])
+    store.capture(0, reference + update)
+    approx = store.anchor(0, torch.device("cpu"))
+    if (m + n) * rank < m * n:
+        assert set(store.state_dict()["entries"][0]) == {"U", "V"}
+    assert torch.allclose(approx, reference + update, atol=1e-4 * (1 + update.abs().max()))
+
+
+def test_low_rank_bytes_are_bounded():
+    shapes = [(64, 48), (32, 128), (48,), (16, 4, 3, 3)]
+    tensors = [torch.randn(s) for s in shapes]
+    rank = 4
+    store = LowRankSnapshot(rank)
+    store.add([f"t{i}" for i in range(len(shapes))], tensors)
+    bound = 0
+    for s in shapes:
+        if len(s) >= 2:
+            m, n = s[0], torch.Size(s).numel() // s[0]
+            bound += (m + n) * rank * 4 if (m + n) * rank < m * n else m * n * 4
+        else:
+            bound += s[0] * 4
+    assert store.nbytes() <= bound
+    assert store.nbytes() < sum(t.numel() * 4 for t in tensors) / 3
+    assert store.reference_nbytes() == sum(t.numel() * 4 for t in tensors)
+
+
+def test_low_rank_error_falls_as_rank_grows():
+    g = torch.Generator().manual_seed(0)
+    # a full-rank update with a decaying spectrum, as real updates have
+    u, _ = torch.linalg.qr(torch.randn(96, 96, generator=g))
+    v, _ = torch.linalg.qr(torch.randn(80, 80, generator=g))
+    sigma = torch.tensor([0.7**i for i in range(80)])
+    update = u[:, :80] @ torch.diag(sigma) @ v.T
+    errors = []
+    for rank in (1, 2, 4, 8, 16):
+        store = LowRankSnapshot(rank, power_iters=4)
+        store.add(["w"], [torch.zeros(96, 80)])
+        store.capture(0, update)
+        errors.append(float((store.anchor(0, torch.device("cpu")) - update).norm() / update.norm()))
+    assert all(b < a for a, b in zip(errors, errors[1:], strict=False)), errors
+    assert errors[-1] < 0.01
+
+
+def test_warm_start_tracks_a_slowly_rotating_update():
+    # One power iteration per capture, warm-started, converges over repeated captures.
+    g = torch.Generator().manual_seed(3)
+    base = low_rank(64, 64, 3, 1) + 0.01 * torch.randn(64, 64, generator=g)
+    store = LowRankSnapshot(3)
+    store.add(["w"], [torch.zeros(64, 64)])
+    errors = []
+    for i in range(5):
+        target = base * (1 + 0.1 * i)
+        store.capture(0, target)
+        errors.append(float((store.anchor(0, torch.device("cpu")) - target).norm() / target.norm()))
+    assert errors[-1] <= errors[0] + 1e-6 and errors[-1] < 0.05
+
+
+def test_zero_difference_then_a_real_one():
+    store = LowRankSnapshot(2)
+    ref = torch.randn(20, 30)
+    store.add(["w"], [ref])  # the anchor equals the reference: U·Vᵀ = 0
+    assert torch.allclose(store.anchor(0, torch.device("cpu")), ref)
+    update = low_rank(20, 30, 2, 7)
+    store.capture(0, ref + update)
+    assert torch.allclose(store.anchor(0, torch.device("cpu")), ref + update, atol=1e-4)
+
+
+def test_user_reference_by_name_and_from_a_file(tmp_path):
+    model = torch.nn.Linear(32, 24)
+    reference = {k: v.clone() - 1.0 for k, v in model.state_dict().items()}
+    path = tmp_path / "ref.pt"
+    torch.save(reference, path)
+    for ref in (reference, str(path)):
+        opt = ExtrapolatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            eval_fn=lambda: 0.0,
+            params=model.named_parameters(),
+            snapshot="lowrank",
+            rank=1,
+            reference=ref,
+        )
+        store = opt.extrapolator.store
+        assert store.reference_nbytes() == 0
+        # W − reference is the all-ones matrix, rank 1: the anchor is exact
+        assert torch.allclose(store.anchor(0, torch.device("cpu")), model.weight, atol=1e-5)
+        assert store.state_dict()["reference"] is None
+    with pytest.raises(ValueError, match="no tensor named"):
+        ExtrapolatingOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0,
+            snapshot="lowrank", rank=1, reference=reference,
+        )
+    with pytest.raises(ValueError, match="does not exist"):
+        LowRankSnapshot(1, str(tmp_path / "missing.pt"))
+
+
+def test_low_rank_state_round_trip_with_a_user_reference_needs_the_reference():
+    model = torch.nn.Linear(16, 16)
+    reference = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    mk = lambda ref: ExtrapolatingOptimizer(  # noqa: E731
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0,
+        params=model.named_parameters(), snapshot="lowrank", rank=2, reference=ref,
+    )
+    saved = mk(reference).state_dict()
+    mk(reference).load_state_dict(saved)
+    with pytest.raises(ValueError, match="user-given reference"):
+        mk(None).load_state_dict(saved)
+
+
+def test_bad_low_rank_options():
+    with pytest.raises(ValueError, match="rank"):
+        LowRankSnapshot(0)
+    with pytest.raises(ValueError, match="power_iters"):
+        LowRankSnapshot(2, power_iters=0)
+    with pytest.raises(TypeError, match="reference"):
+        LowRankSnapshot(2, reference=42)
+
+
+def test_memory_report():
+    model = torch.nn.Linear(256, 256)
+    full = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0)
+    low = ExtrapolatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, snapshot="lowrank", rank=4
+    )
+    avg = ExtrapolatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, direction="averaged", offload="cpu"
+    )
+    n = 256 * 256 + 256
+    assert full.extrapolator.nbytes() == {"anchor": n * 4, "average": 0}
+    assert low.extrapolator.nbytes()["anchor"] == (256 + 256) * 4 * 4 + 256 * 4
+    assert avg.extrapolator.nbytes() == {"anchor": n * 4, "average": n * 4}
+
+
+def test_log_geometry_records_the_direction_metrics():
+    model = torch.nn.Linear(8, 8)
+    opt = ExtrapolatingOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, log_geometry=True
+    )
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    geo = opt.history[0].geometry
+    assert geo["n_matrices"] == 1
+    # one SGD step on a linear layer with a batch of 4 has rank ≤ 4
+    assert 1.0 <= geo["effective_rank"] <= 4.0 + 1e-6
+    assert geo["fro_norm_total"] == pytest.approx(opt.history[0].direction_norm, rel=1e-5)
