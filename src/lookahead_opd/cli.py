@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 # name -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("lookahead_opd.toy", "the main job: training with and without the wrapper, compared"),
+    "demo": ("lookahead_opd.integrations.opd.demo", "the main job: plain OPD vs EffOPD on a tiny model, measured"),
+    "train": ("lookahead_opd.integrations.opd.train", "OPD / EffOPD on any Hugging Face causal LMs"),
     "toy": ("lookahead_opd.toy", "torch-only example: a small MLP trained plain and wrapped"),
 }
 

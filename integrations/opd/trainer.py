@@ -1,0 +1,480 @@
+"""``OPDTrainer``: the reference on-policy distillation loop, readable top to bottom.
+
+One optimizer step:
+  1. sample ``batch_size`` training prompts (a fixed function of seed and step, so a resumed
+     run sees the same prompts);
+  2. roll the student out through the engine (temperature 1 by default);
+  3. score the sampled tokens with the student (with grad) and the teacher (no grad);
+  4. the loss (``losses.py``), normalised by the completion tokens of the whole step across
+     gradient accumulation; backward; clip; ``optimizer.step()`` — which, when
+     ``extrapolate=True``, is an ``ExtrapolatingOptimizer`` whose gate generates through the
+     same engine;
+  5. push the new weights to the engine, log a JSON line, evaluate / checkpoint on schedule.
+
+Checkpoints are directories ``checkpoint-<step>`` written under a temporary name and renamed,
+then ``latest`` (a one-line file naming the newest) is replaced atomically; a kill at any
+moment leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lookahead_opd import ExtrapolatingOptimizer
+
+from .config import OPDConfig
+from .engines import Engine, Rollout
+from .losses import (
+    LOSS_INPUTS,
+    align_vocab,
+    check_vocab_compatible,
+    get_loss,
+    reverse_kl_loss,
+    shift_for_next_token,
+    token_logprobs,
+)
+from .tasks import Problem, Task
+
+__all__ = ["OPDTrainer", "TrainResult", "sequence_logits", "greedy_accuracy"]
+
+logger = logging.getLogger(__name__)
+
+_LATEST = "latest"
+_STATE = "trainer_state.pt"
+
+
+@dataclass
+class TrainResult:
+    """What ``train()`` returns: per-step metric dicts and the eval points (step, accuracy)."""
+
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    jumps: list[dict[str, Any]] = field(default_factory=list)
+
+
+def sequence_logits(model: nn.Module, rollout: Rollout | None = None, *,
+                    sequences: torch.Tensor | None = None,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits over left-padded sequences with the positions ``generate`` used (from the mask)."""
+    if rollout is not None:
+        sequences, attention_mask = rollout.sequences, rollout.attention_mask
+    assert sequences is not None and attention_mask is not None
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:
+    """Exact-match accuracy of greedy completions generated through ``engine``."""
+    rollout = engine.generate([p.prompt for p in problems], max_new_tokens=max_new_tokens,
+                              temperature=0.0)
+    return sum(task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)) / len(problems)
+
+
+class OPDTrainer:
+    """On-policy distillation of ``student`` toward ``teacher`` on ``task``.
+
+    ``engine`` generates the student's rollouts (``HFEngine`` over the live ``student`` module,
+    or a ``VLLMEngine`` that receives the weights after every step and every gate candidate).
+    ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks`` are called with each step's
+    metrics dict.
+    """
+
+    def __init__(
+        self,
+        config: OPDConfig,
+        student: nn.Module,
+        teacher: nn.Module,
+        task: Task,
+        engine: Engine,
+        *,
+        tokenizer: Any = None,
+        callbacks: list[Callable[[dict[str, Any]], None]] | None = None,
+    ) -> None:
+        config.validate(check_paths=False)
+        self.config, self.student, self.teacher, self.task, self.engine = (
+            config, student, teacher, task, engine)
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        self.callbacks = list(callbacks or [])
+        self.vocab_size = check_vocab_compatible(student, teacher, tokenizer=self.tokenizer)
+        self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
+        self.loss_fn = get_loss(config.loss)
+        self.output_dir = Path(config.output_dir)
+
+        # Data: fail on empty or too-small splits before any compute.
+        self.train_problems = task.problems("train", seed=config.seed)
+        if len(self.train_problems) < config.batch_size:
+            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(self.train_problems)} "
+                             f"training problems of task {task.name!r}")
+        self.gate_problems = task.problems("gate", config.gate_size, seed=config.seed)
+        self.eval_problems = task.problems("test", config.eval_size, seed=config.seed)
+
+        teacher.requires_grad_(False).eval()
+        student.train()
+        self.gate_evals = 0
+        self.gate_seconds = 0.0
+        self._gate_sequences: dict[str, torch.Tensor] | None = None
+        self.optimizer = self._build_optimizer()
+        warmup = config.warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+        self.step = 0
+        self.train_seconds = 0.0  # rollouts + scoring + updates + gate; periodic evals excluded
+        self._writers = _make_writers(config, self.output_dir)
+
+    # ------------------------------------------------------------------ setup
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        if c.optimizer == "sgd":
+            base: torch.optim.Optimizer = torch.optim.SGD(params, lr=c.learning_rate,
+                                                          weight_decay=c.weight_decay)
+        else:
+            cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
+            base = cls(params, lr=c.learning_rate, weight_decay=c.weight_decay)
+        if not c.extrapolate:
+            return base
+        return ExtrapolatingOptimizer(
+            base, self._timed_gate, mode="max", coefficients=c.coefficient_values(),
+            max_candidates=c.max_candidates, snapshot=c.snapshot, rank=c.rank,
+            direction=c.direction, min_improvement=c.min_improvement)
+
+    def _timed_gate(self) -> float:
+        start = time.perf_counter()
+        try:
+            return self.gate_score()
+        finally:
+            self.gate_evals += 1
+            self.gate_seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ scores
+    def gate_score(self) -> float:
+        """The EffOPD gate at the current weights: accuracy, or minus the reverse KL."""
+        self.engine.push_weights(self.student)  # a gate candidate is new weights too
+        if self.config.gate == "accuracy":
+            return greedy_accuracy(self.engine, self.task, self.gate_problems, self.max_new_tokens)
+        return -self.gate_reverse_kl()
+
+    def gate_reverse_kl(self) -> float:
+        """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
+        (sampled once from the initial student, teacher-forced afterwards: continuous, cheap)."""
+        if self._gate_sequences is None:
+            r = self.engine.generate([p.prompt for p in self.gate_problems],
+                                     max_new_tokens=self.max_new_tokens,
+                                     temperature=self.config.temperature, seed=self.config.seed)
+            self._gate_sequences = {"sequences": r.sequences, "attention_mask": r.attention_mask,
+                                    "completion_mask": r.completion_mask}
+        g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            with torch.no_grad():
+                ls = sequence_logits(self.student, sequences=g["sequences"],
+                                     attention_mask=g["attention_mask"])
+                lt = sequence_logits(self.teacher, sequences=g["sequences"],
+                                     attention_mask=g["attention_mask"])
+        finally:
+            self.student.train(was_training)
+        ls, _, mask = shift_for_next_token(ls, g["sequences"], g["completion_mask"])
+        lt = lt[:, :-1]
+        out = reverse_kl_loss(align_vocab(ls, self.vocab_size), align_vocab(lt, self.vocab_size),
+                              mask)
+        return out.metrics["reverse_kl"]
+
+    def evaluate(self) -> float:
+        """Greedy exact-match accuracy on the held-out eval set."""
+        self.engine.push_weights(self.student)
+        return greedy_accuracy(self.engine, self.task, self.eval_problems, self.max_new_tokens)
+
+    # ------------------------------------------------------------------ one step
+    def _prompts(self, step: int) -> list[str]:
+        g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
+        idx = torch.randperm(len(self.train_problems), generator=g)[: self.config.batch_size]
+        return [self.train_problems[i].prompt for i in idx.tolist()]
+
+    def train_step(self) -> dict[str, Any]:
+        """Run one optimizer step and return its metrics."""
+        c = self.config
+        t0 = time.perf_counter()
+        rollout = self.engine.generate(
+            self._prompts(self.step), max_new_tokens=self.max_new_tokens,
+            temperature=c.temperature, top_p=c.top_p, seed=c.seed * 1_000_003 + self.step,
+            num_samples=c.num_samples).to(c.device)
+        t_rollout = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        total_tokens = int(rollout.completion_mask[:, 1:].sum())
+        sums: dict[str, float] = {}
+        rows = rollout.sequences.shape[0]
+        chunk = rows // c.gradient_accumulation_steps
+        loss_total = 0.0
+        for start in range(0, rows, chunk):
+            sl = slice(start, start + chunk)
+            out = self._micro_batch_loss(rollout, sl, max(total_tokens, 1))
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            n = out.metrics["num_tokens"]
+            for k, v in out.metrics.items():
+                if k != "num_tokens":
+                    sums[k] = sums.get(k, 0.0) + v * n
+        grad_norm = None
+        if c.max_grad_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm))
+        t_score = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        gate_before, jumps_before = self.gate_seconds, len(getattr(self.optimizer, "history", []))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.engine.push_weights(self.student)
+        t_update = time.perf_counter() - t2
+        self.train_seconds += time.perf_counter() - t0
+
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            "loss": loss_total,
+            **{k: v / max(total_tokens, 1) for k, v in sums.items()},
+            "num_tokens": total_tokens,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "rollout_tokens_per_s": total_tokens / t_rollout if t_rollout > 0 else None,
+            "seconds_rollout": t_rollout,
+            "seconds_score": t_score,
+            "seconds_update": t_update,
+            "seconds_gate": self.gate_seconds - gate_before,
+            "gate_evals_total": self.gate_evals,
+            "train_seconds": self.train_seconds,
+        }
+        history = getattr(self.optimizer, "history", [])
+        if len(history) > jumps_before:
+            metrics["jump"] = history[-1].to_dict()
+        return metrics
+
+    def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int):
+        seq, attn = rollout.sequences[rows], rollout.attention_mask[rows]
+        cmask = rollout.completion_mask[rows]
+        student_logits = sequence_logits(self.student, sequences=seq, attention_mask=attn)
+        with torch.no_grad():
+            teacher_logits = sequence_logits(self.teacher, sequences=seq, attention_mask=attn)
+        ls, ids, mask = shift_for_next_token(student_logits, seq, cmask)
+        ls = align_vocab(ls, self.vocab_size)
+        lt = align_vocab(teacher_logits[:, :-1], self.vocab_size)
+        if LOSS_INPUTS[self.config.loss] == "logprobs":
+            # On-policy: the student scored here is the sampler, so the importance ratio is 1.
+            return self.loss_fn(token_logprobs(ls, ids), token_logprobs(lt, ids), mask,
+                                discount=self.config.discount, num_tokens=num_tokens)
+        if self.config.loss == "jsd":
+            return self.loss_fn(ls, lt, mask, beta=self.config.jsd_beta, num_tokens=num_tokens)
+        return self.loss_fn(ls, lt, mask, num_tokens=num_tokens)
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> TrainResult:
+        """Train to ``max_steps`` (or ``stop_at_accuracy``), resuming first when asked."""
+        c = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if c.resume:
+            if not self.load_checkpoint():
+                logger.warning("resume: no checkpoint in %s, starting from step 0", self.output_dir)
+        result = TrainResult()
+        metrics_path = self.output_dir / "metrics.jsonl"
+        _truncate_metrics(metrics_path, self.step)
+        if self.step == 0:
+            acc = self.evaluate()
+            result.evals.append((0, acc))
+            self._log({"step": 0, "eval_accuracy": acc, "train_seconds": 0.0,
+                       "gate_evals_total": 0}, metrics_path, result)
+        bar = _progress(c.max_steps, self.step, c.progress, "OPD" + (" + EffOPD" if c.extrapolate else ""))
+        try:
+            while self.step < c.max_steps:
+                m = self.train_step()
+                last = self.step == c.max_steps
+                if (c.eval_every and self.step % c.eval_every == 0) or last:
+                    m["eval_accuracy"] = self.evaluate()
+                    result.evals.append((self.step, m["eval_accuracy"]))
+                self._log(m, metrics_path, result)
+                bar.update(1)
+                bar.set_postfix({k: round(m[k], 4) for k in ("loss", "reverse_kl", "eval_accuracy")
+                                 if isinstance(m.get(k), float)})
+                done = (c.stop_at_accuracy is not None
+                        and m.get("eval_accuracy", -1.0) >= c.stop_at_accuracy)
+                if (c.save_every and self.step % c.save_every == 0) or last or done:
+                    self.save_checkpoint()
+                if done:
+                    break
+        finally:
+            bar.close()
+            for w in self._writers:
+                w.flush()
+        return result
+
+    def _log(self, m: dict[str, Any], path: Path, result: TrainResult) -> None:
+        result.metrics.append(m)
+        if "jump" in m:
+            result.jumps.append(m["jump"])
+        with path.open("a") as f:
+            f.write(json.dumps(m) + "\n")
+        for w in self._writers:
+            w.log(m)
+        for cb in self.callbacks:
+            cb(m)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoint-<step>`` atomically and point ``latest`` at it."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        final = self.output_dir / f"checkpoint-{self.step}"
+        tmp = self.output_dir / f".tmp-checkpoint-{self.step}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.student.save_pretrained(tmp)
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(tmp)
+        state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "train_seconds": self.train_seconds,
+            "gate_evals": self.gate_evals,
+            "gate_seconds": self.gate_seconds,
+            "gate_sequences": self._gate_sequences,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        torch.save(state, tmp / _STATE)
+        self.config.save(tmp / "opd_config.json")
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = self.output_dir / f".{_LATEST}.tmp"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, self.output_dir / _LATEST)
+        _fsync_dir(self.output_dir)
+        # Keep the newest two: the one just written and the one before it.
+        for old in sorted(self.output_dir.glob("checkpoint-*"), key=_ckpt_step)[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
+        """Load ``path`` (default: the one ``latest`` names); False if there is none."""
+        if path is None:
+            pointer = self.output_dir / _LATEST
+            if not pointer.is_file():
+                return False
+            path = self.output_dir / pointer.read_text().strip()
+        path = Path(path)
+        from safetensors.torch import load_file
+
+        weights = sorted(path.glob("*.safetensors"))
+        if not weights:
+            raise FileNotFoundError(f"checkpoint {path} has no safetensors weights")
+        sd: dict[str, torch.Tensor] = {}
+        for w in weights:
+            sd.update(load_file(str(w)))
+        missing, unexpected = self.student.load_state_dict(sd, strict=False)
+        # Tied or buffer-only keys may be absent from the file; real parameters may not.
+        real_missing = [k for k in missing if not k.endswith("lm_head.weight")
+                        or not getattr(self.student.config, "tie_word_embeddings", False)]
+        if real_missing or unexpected:
+            raise RuntimeError(f"checkpoint {path} does not match the student: missing "
+                               f"{real_missing[:5]}, unexpected {unexpected[:5]}")
+        state = torch.load(path / _STATE, weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = state["step"]
+        self.train_seconds = state["train_seconds"]
+        self.gate_evals, self.gate_seconds = state["gate_evals"], state["gate_seconds"]
+        self._gate_sequences = state["gate_sequences"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.engine.push_weights(self.student)
+        return True
+
+
+def _ckpt_step(p: Path) -> int:
+    try:
+        return int(p.name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """On resume, drop metric lines past the checkpoint so the log has no duplicate steps."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _progress(total: int, initial: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
+
+
+class _Writer:
+    def log(self, m: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+
+
+class _TensorBoard(_Writer):
+    def __init__(self, logdir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.w = SummaryWriter(str(logdir))
+
+    def log(self, m: dict[str, Any]) -> None:
+        for k, v in m.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                self.w.add_scalar(k, v, m["step"])
+
+    def flush(self) -> None:
+        self.w.flush()
+
+
+class _WandB(_Writer):
+    def __init__(self, config: OPDConfig) -> None:
+        import wandb
+
+        self.run = wandb.init(config=config.to_dict(), dir=config.output_dir)
+
+    def log(self, m: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in m.items() if k != "jump"}, step=m["step"])
+
+
+def _make_writers(config: OPDConfig, output_dir: Path) -> list[_Writer]:
+    writers: list[_Writer] = []
+    for name in config.report_to_list():
+        try:
+            writers.append(_TensorBoard(output_dir / "tb") if name == "tensorboard" else _WandB(config))
+        except ImportError as err:
+            raise ValueError(f"report_to={name} needs {err.name}: pip install {err.name}") from err
+    return writers

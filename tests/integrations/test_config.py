@@ -1,0 +1,64 @@
+"""OPDConfig: CLI from the dataclass, yaml files, and one clear error per bad input."""
+
+import json
+
+import pytest
+from lookahead_opd.integrations.opd.config import OPDConfig, parse_config
+
+
+def _saved_model_dir(tmp_path, name):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return str(d)
+
+
+def test_cli_flags_and_yaml(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("learning_rate: 1.0e-5\nextrapolate: true\nbatch_size: 8\n")
+    c = parse_config(["--config", str(cfg_file), "--batch_size", "4", "--gate", "neg_kl"])
+    assert (c.learning_rate, c.extrapolate, c.batch_size, c.gate) == (1e-5, True, 4, "neg_kl")
+    assert parse_config([]).learning_rate == OPDConfig().learning_rate
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        parse_config(["--config", str(tmp_path / "missing.yaml")])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"learnin_rate": 1}))
+    with pytest.raises(ValueError, match="unknown option.*learnin_rate"):
+        parse_config(["--config", str(bad)])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be > 0"),
+        ({"batch_size": 0}, "batch_size must be >= 1"),
+        ({"engine": "tgi"}, "engine must be one of"),
+        ({"loss": "kl"}, "loss must be one of"),
+        ({"task": "chess"}, "unknown task"),
+        ({"snapshot": "lowrank"}, "needs rank"),
+        ({"coefficients": "1,two"}, "coefficients must be"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"jsd_beta": 2.0}, "jsd_beta"),
+        ({"report_to": "mlflow"}, "report_to must be one of"),
+        ({"batch_size": 6, "gradient_accumulation_steps": 4}, "divisible"),
+    ],
+)
+def test_bad_options_fail_before_loading(tmp_path, change, message):
+    base = {"student": _saved_model_dir(tmp_path, "s"), "teacher": _saved_model_dir(tmp_path, "t")}
+    with pytest.raises(ValueError, match=message):
+        OPDConfig(**{**base, **change}).validate()
+
+
+def test_model_paths(tmp_path):
+    ok = _saved_model_dir(tmp_path, "s")
+    OPDConfig(student=ok, teacher="Qwen/Qwen2.5-0.5B").validate()  # a hub id is left to the Hub
+    with pytest.raises(ValueError, match="student path .* does not exist"):
+        OPDConfig(student=str(tmp_path / "nope"), teacher=ok).validate()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        OPDConfig(student=ok, teacher=str(tmp_path / "empty")).validate()
+    with pytest.raises(ValueError, match="--teacher is required"):
+        OPDConfig(student=ok).validate()

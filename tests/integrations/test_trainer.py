@@ -1,0 +1,131 @@
+"""OPDTrainer on tiny random Qwen2 models: it distills, resumes exactly, checkpoints safely."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
+from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
+from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
+from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
+from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+
+def _model(tokenizer, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return Qwen2ForCausalLM(config).float()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def _trainer(tmp_path, tokenizer, *, teacher_seed: int | None = 1, **options) -> OPDTrainer:
+    student = _model(tokenizer, 0)
+    if teacher_seed is None:
+        teacher = copy.deepcopy(student)
+    else:  # a confident teacher, far from the near-uniform random student
+        teacher = _model(tokenizer, teacher_seed)
+        with torch.no_grad():
+            teacher.lm_head.weight.mul_(30.0)
+    defaults = dict(output_dir=str(tmp_path), batch_size=8, max_steps=4, learning_rate=1e-2,
+                    max_new_tokens=4, eval_every=0, eval_size=16, gate_size=8, progress=False,
+                    max_grad_norm=None)
+    config = OPDConfig(**{**defaults, **options})
+    engine = HFEngine(student, tokenizer, batch_size=64)
+    return OPDTrainer(config, student, teacher, ArithmeticTask(), engine, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("loss", ["reverse_kl_pg", "reverse_kl", "jsd"])
+def test_a_few_steps_lower_reverse_kl(tmp_path, tokenizer, loss):
+    t = _trainer(tmp_path, tokenizer, loss=loss, max_steps=15, batch_size=32)
+    before = t.gate_reverse_kl()
+    t.train()
+    after = t.gate_reverse_kl()
+    assert after < 0.9 * before, (before, after)
+
+
+def test_teacher_equal_to_student_gives_no_update(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, teacher_seed=None, extrapolate=True, gate="neg_kl")
+    start = {k: v.clone() for k, v in t.student.state_dict().items()}
+    result = t.train()
+    losses = [m["loss"] for m in result.metrics if "loss" in m]
+    assert losses and max(abs(x) for x in losses) < 1e-6
+    assert all(m["reverse_kl"] == pytest.approx(0.0, abs=1e-6) for m in result.metrics if "reverse_kl" in m)
+    for k, v in t.student.state_dict().items():
+        assert torch.equal(v, start[k]), k
+    # ... so every search saw a zero direction and left the weights alone.
+    assert all(j["direction_norm"] == 0.0 for j in result.jumps)
+
+
+def test_metrics_and_jumps_are_logged(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, extrapolate=True, gate="neg_kl", eval_every=2)
+    t.train()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
+    assert {"loss", "reverse_kl", "rollout_tokens_per_s", "seconds_rollout", "seconds_gate"} <= set(lines[1])
+    assert "eval_accuracy" in lines[2] and "eval_accuracy" in lines[4]
+    assert [m["jump"]["step"] for m in lines if "jump" in m] == [1, 2, 4]
+    assert lines[-1]["gate_evals_total"] == t.gate_evals >= 3
+
+
+@pytest.mark.parametrize("extrapolate", [False, True])
+def test_resume_equals_uninterrupted(tmp_path, tokenizer, extrapolate):
+    opts = dict(extrapolate=extrapolate, gate="neg_kl", save_every=2, max_steps=5)
+    full = _trainer(tmp_path / "full", tokenizer, **opts)
+    full_result = full.train()
+
+    first = _trainer(tmp_path / "split", tokenizer, **{**opts, "max_steps": 3})
+    first.train()  # checkpoints at 2 and 3
+    resumed = _trainer(tmp_path / "split", tokenizer, **{**opts, "resume": True})
+    # Resume from step 2, as a run killed during step 3 would.
+    (tmp_path / "split" / "latest").write_text("checkpoint-2\n")
+    resumed_result = resumed.train()
+
+    for (k, a), b in zip(full.student.state_dict().items(), resumed.student.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    tail = [m["loss"] for m in full_result.metrics if m["step"] > 2]
+    assert [m["loss"] for m in resumed_result.metrics] == tail
+    steps = [json.loads(x)["step"] for x in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4, 5]  # no duplicated lines after the resume
+
+
+def test_kill_during_checkpoint_keeps_previous(tmp_path, tokenizer, monkeypatch):
+    t = _trainer(tmp_path, tokenizer, max_steps=2)
+    t.train_step()
+    first = t.save_checkpoint()
+    t.train_step()
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        raise KeyboardInterrupt("killed mid-checkpoint")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        t.save_checkpoint()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert (tmp_path / "latest").read_text().strip() == first.name
+    fresh = _trainer(tmp_path, tokenizer, max_steps=2)
+    assert fresh.load_checkpoint() and fresh.step == 1
+
+
+def test_bad_input(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="exceeds"):
+        _trainer(tmp_path, tokenizer, batch_size=10**7)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        _trainer(tmp_path, tokenizer, max_new_tokens=0)
