@@ -61,8 +61,16 @@ def test_raw_loop_resume_continues_exactly(tmp_path):
 def test_accelerate_loop_script_one_process(tmp_path):
     save = tmp_path / "state"
     (r,) = _run(
-        [sys.executable, "examples/accelerate_loop.py", "--cpu", "--steps", "16", "--json",
-         "--save-dir", str(save)]
+        [
+            sys.executable,
+            "examples/accelerate_loop.py",
+            "--cpu",
+            "--steps",
+            "16",
+            "--json",
+            "--save-dir",
+            str(save),
+        ]
     )
     assert r["processes"] == 1
     assert r["wrapped"] == "AcceleratedOptimizer(ExtrapolatingOptimizer)"
@@ -77,8 +85,20 @@ def test_accelerate_loop_script_one_process(tmp_path):
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_accelerate_loop_script_two_processes_decide_together():
     results = _run(
-        ["torchrun", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-         "localhost:0", "examples/accelerate_loop.py", "--cpu", "--steps", "16", "--json"],
+        [
+            "torchrun",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            "examples/accelerate_loop.py",
+            "--cpu",
+            "--steps",
+            "16",
+            "--json",
+        ],
         timeout=240,
     )
     assert sorted(r["process"] for r in results) == [0, 1]
