@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 # name -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "diagnose": ("lookahead_opd.integrations.teacher_selection.cli", "rank OPD teachers without training: the per-token gradient diagnostic"),
     "demo": ("lookahead_opd.integrations.opd.demo", "the main job: plain OPD vs EffOPD on a tiny model, measured"),
     "train": ("lookahead_opd.integrations.opd.train", "OPD / EffOPD on any Hugging Face causal LMs"),
     "toy": ("lookahead_opd.toy", "torch-only example: a small MLP trained plain and wrapped"),

@@ -1,0 +1,178 @@
+"""``lookahead-opd diagnose``: rank candidate teachers for OPD without training.
+
+    lookahead-opd diagnose --student ./base --teacher ./rl-tuned --teacher self:solution \\
+        --task arithmetic --questions 32 --budget 20000 --output_dir runs/diagnose
+
+Every option is a field of ``DiagnoseConfig`` (the CLI is generated from it with
+``HfArgumentParser``); ``--teacher`` may be repeated or given several values. Bad input (an
+unknown teacher spec, a teacher with another tokenizer, an empty task, a budget too small for
+one node) fails with one line before any model weights load or any rollout runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DiagnoseConfig", "parse_config", "run", "main"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class DiagnoseConfig:
+    """Options of ``lookahead-opd diagnose`` (see ``diagnose()`` for what each one does)."""
+
+    student: str = _opt("", "student: a Hugging Face causal LM id or local directory")
+    teacher: list[str] = _opt([], "teacher(s): model id/directory or self:solution|answer|example; "
+                                  "repeat the flag or give several")
+    task: str = _opt("arithmetic", "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
+    questions: int = _opt(32, "questions to roll the student out on")
+    budget: int = _opt(20_000, "total continuation rollouts (never exceeded)")
+    output_dir: str = _opt("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
+    split: str = _opt("test", "task split the questions come from")
+    samples_per_question: int = _opt(2, "student rollouts per question")
+    top_k: int = _opt(4, "candidates per node: the student's top-K plus the sampled token")
+    continuations: int = _opt(8, "student continuations per candidate (estimates P_succ)")
+    loss: str = _opt("reverse_kl", "distillation loss whose gradient is scored: reverse_kl | "
+                                   "forward_kl | jsd")
+    jsd_beta: float = _opt(0.5, "jsd: 0 = forward KL, 1 = reverse KL (TRL convention)")
+    temperature: float = _opt(1.0, "the student's sampling temperature (rollouts and p)")
+    max_new_tokens: int | None = _opt(None, "completion length limit (default: the task's)")
+    spacing: str = _opt("exponential", "node depths: exponential (1, 2, 4, …) | all")
+    context_separator: str = _opt(" ", "text between a self-teacher's context and the prompt")
+    rank_by: str = _opt("alignment", "alignment | advantage | reverse_kl | js | topk_overlap | "
+                                     "teacher_mass_topk")
+    resamples: int = _opt(1000, "bootstrap resamples for the confidence intervals")
+    seed: int = _opt(0, "seed of the questions, rollouts and bootstrap")
+    dtype: str = _opt("float32", f"model dtype: {' | '.join(_DTYPES)}")
+    device: str = _opt("cpu", "torch device of the student and teachers")
+    batch_size: int = _opt(256, "rows per generate call of the engine")
+    plots: bool = _opt(True, "write the plots and report.html")
+    progress: bool = _opt(True, "show progress bars")
+
+    def validate(self, *, check_paths: bool = True) -> None:
+        """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
+        from lookahead_opd.integrations.opd.config import _check_model_ref, _choice
+        from lookahead_opd.integrations.opd.tasks import load_task
+
+        from .diagnose import check_options
+        from .teachers import parse_teacher_spec
+
+        check_options(budget=self.budget, questions=self.questions,
+                      samples_per_question=self.samples_per_question, top_k=self.top_k,
+                      continuations=self.continuations, loss=self.loss, jsd_beta=self.jsd_beta,
+                      temperature=self.temperature, spacing=self.spacing, rank_by=self.rank_by)
+        _choice("dtype", self.dtype, _DTYPES)
+        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not self.teacher:
+            raise ValueError("give at least one --teacher (a model or self:solution|answer|example)")
+        if len(set(self.teacher)) != len(self.teacher):
+            raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
+        specs = [parse_teacher_spec(t) for t in self.teacher]
+        task = load_task(self.task)
+        pool = task.all_problems(self.split) if self.split in ("train", "gate", "test") else None
+        if pool is None:
+            raise ValueError(f"split must be train, gate or test; got {self.split!r}")
+        if not pool:
+            raise ValueError(f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
+        if check_paths:
+            _check_model_ref("student", self.student)
+            for s in specs:
+                if s.kind == "model":
+                    _check_model_ref("teacher", s.path)
+
+
+def _merge_repeated(args: list[str], flag: str) -> list[str]:
+    """``--teacher a --teacher b`` → ``--teacher a b`` (argparse's nargs='+' keeps the last)."""
+    values, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] == flag:
+            i += 1
+            while i < len(args) and not args[i].startswith("--"):
+                values.append(args[i])
+                i += 1
+        else:
+            rest.append(args[i])
+            i += 1
+    return rest + ([flag, *values] if values else [])
+
+
+def parse_config(argv: Sequence[str] | None = None) -> DiagnoseConfig:
+    """Build a ``DiagnoseConfig`` from command-line flags."""
+    from transformers import HfArgumentParser
+
+    args = _merge_repeated(list(argv or []), "--teacher")
+    parser = HfArgumentParser(DiagnoseConfig, prog="lookahead-opd diagnose")
+    (config,) = parser.parse_args_into_dataclasses(args=args)
+    return config
+
+
+def run(config: DiagnoseConfig):
+    """Validate, check every teacher's tokenizer, load the models, diagnose, save. Returns the
+    ``DiagnosticReport``."""
+    config.validate()
+    import torch
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.losses import check_vocab_compatible
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .diagnose import diagnose
+    from .teachers import parse_teacher_spec
+
+    tokenizer = AutoTokenizer.from_pretrained(config.student)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    for t in config.teacher:  # tokenizers are cheap: check them all before any weights load
+        spec = parse_teacher_spec(t)
+        if spec.kind == "model":
+            try:
+                check_vocab_compatible(tokenizer, AutoTokenizer.from_pretrained(spec.path))
+            except (OSError, ValueError) as err:
+                raise ValueError(f"teacher {t!r} does not share the student's tokenizer: {err}") from None
+    dtype = getattr(torch, config.dtype)
+    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
+    engine = HFEngine(student, tokenizer, batch_size=config.batch_size)
+    report = diagnose(
+        student, list(config.teacher), load_task(config.task), budget=config.budget,
+        tokenizer=tokenizer, engine=engine, questions=config.questions, split=config.split,
+        samples_per_question=config.samples_per_question, top_k=config.top_k,
+        continuations=config.continuations, loss=config.loss, jsd_beta=config.jsd_beta,
+        temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+        spacing=config.spacing, context_separator=config.context_separator,
+        rank_by=config.rank_by, seed=config.seed, resamples=config.resamples,
+        progress=config.progress, teacher_dtype=dtype)
+    report.config["cli"] = dataclasses.asdict(config)
+    report.save(config.output_dir, plots=config.plots)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(argv)
+        report = run(config)
+    except ValueError as err:  # bad input: one clear line
+        print(f"lookahead-opd diagnose: {err}", file=sys.stderr)
+        return 2
+    print(report.table())
+    print(f"\nreport: {Path(config.output_dir) / 'report.html'} (and report.json, nodes.jsonl)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,348 @@
+"""``diagnose``: rank teachers for on-policy distillation without training (paper B).
+
+1. Roll the student out on ``questions`` problems (``samples_per_question`` each) and grade them.
+2. Score one student forward pass over the rollouts; at exponentially spaced depths of each
+   completion take the student's top-K tokens plus the sampled one as a node's candidates.
+3. Plan nodes depth-major until the continuation ``budget`` is spent; estimate every
+   candidate's ``P_succ`` with ``continuations`` student rollouts from ``prefix + candidate``.
+   These rollouts do not depend on the teacher, so every teacher shares them.
+4. For each teacher, one forward pass over the same rollouts gives ``q`` at every node; score
+   the ideal gradient, the distillation gradient, alignment, teacher advantage and the proxies.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+from lookahead_opd.integrations.opd.engines import Engine, HFEngine, tokenize_prompts
+from lookahead_opd.integrations.opd.losses import align_vocab, check_vocab_compatible
+from lookahead_opd.integrations.opd.tasks import Problem, Task
+from lookahead_opd.integrations.opd.trainer import sequence_logits
+from torch import nn
+
+from . import scores
+from .nodes import SPACINGS, Node, candidate_set, node_cost, node_depths, plan_nodes
+from .report import METRICS, DiagnosticReport
+from .rollouts import completion_ids, estimate_success, prefix_text
+from .teachers import ContextTeacher, parse_teacher_spec
+
+__all__ = ["TeacherLike", "diagnose", "resolve_teachers", "check_options", "min_budget"]
+
+logger = logging.getLogger(__name__)
+
+# A teacher: a module sharing the student's tokenizer, ``(module, its tokenizer)``, or a string:
+# ``self:solution|answer|example`` or a Hugging Face model id / directory.
+TeacherLike = Union[nn.Module, str, tuple]
+
+
+def min_budget(top_k: int, continuations: int) -> int:
+    """Rollouts one node can need: ``continuations`` × (top-K + the sampled token)."""
+    return continuations * (top_k + 1)
+
+
+def check_options(*, budget: int, questions: int, samples_per_question: int, top_k: int,
+                  continuations: int, loss: str, jsd_beta: float, temperature: float,
+                  spacing: str, rank_by: str) -> None:
+    """Raise ``ValueError`` naming the first bad option (nothing is loaded or computed)."""
+    for name, value in (("questions", questions), ("samples_per_question", samples_per_question),
+                        ("continuations", continuations)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if top_k < 2:
+        raise ValueError(f"top_k must be >= 2 (a node compares candidates), got {top_k}")
+    if loss not in scores.DISTILL_LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(scores.DISTILL_LOSSES)}; got {loss!r}")
+    if not 0.0 <= jsd_beta <= 1.0:
+        raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the student's sampling policy), got {temperature}")
+    if spacing not in SPACINGS:
+        raise ValueError(f"spacing must be one of {', '.join(SPACINGS)}; got {spacing!r}")
+    if rank_by not in METRICS:
+        raise ValueError(f"rank_by must be one of {', '.join(METRICS)}; got {rank_by!r}")
+    need = min_budget(top_k, continuations)
+    if budget < need:
+        raise ValueError(f"budget {budget} is too small for one node: a node needs up to "
+                         f"continuations × (top_k + 1) = {continuations} × {top_k + 1} = {need} "
+                         "rollouts; raise --budget or lower --continuations/--top_k")
+
+
+def _problems(task: Task, split: str, questions: int, seed: int) -> list[Problem]:
+    try:
+        pool = task.all_problems(split)
+    except KeyError:
+        raise ValueError(f"task {task.name!r} has no split {split!r}") from None
+    if not pool:
+        raise ValueError(f"task {task.name!r} has no {split} problems: nothing to diagnose")
+    return task.problems(split, min(questions, len(pool)), seed=seed)
+
+
+def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike], student: nn.Module,
+                     tokenizer: Any, task: Task, problems: Sequence[Problem], *,
+                     context_separator: str = " ", dtype: torch.dtype | None = None,
+                     ) -> tuple[dict[str, nn.Module], int]:
+    """Name → module for every teacher, and the vocabulary size they all share with the
+    student. Raises ``ValueError`` for unknown specs and tokenizer mismatches; model ids are
+    loaded only after their tokenizer has been checked."""
+    if isinstance(teachers, Mapping):
+        items = list(teachers.items())
+    elif isinstance(teachers, str | nn.Module | tuple):
+        raise TypeError("teachers must be a list or a name → teacher mapping, not a single teacher")
+    else:
+        items = [(t if isinstance(t, str) else f"teacher{i}", t) for i, t in enumerate(teachers)]
+    if not items:
+        raise ValueError("give at least one teacher")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        raise ValueError(f"teacher names must be distinct, got {names}")
+    out: dict[str, nn.Module] = {}
+    vocab = None
+    for name, t in items:
+        t_tok = tokenizer
+        if isinstance(t, tuple):
+            if len(t) != 2 or not isinstance(t[0], nn.Module):
+                raise TypeError(f"teacher {name!r}: a tuple must be (module, tokenizer)")
+            t, t_tok = t
+        if isinstance(t, str):
+            spec = parse_teacher_spec(t)
+            if spec.kind == "self":
+                examples = task.problems("train") if spec.context == "example" else ()
+                t = ContextTeacher.for_task(student, tokenizer, task, problems, spec.context,
+                                            separator=context_separator, examples=examples)
+            else:
+                t, t_tok = _load_teacher(spec.path, tokenizer, dtype, _device(student), name)
+        if not isinstance(t, nn.Module):
+            raise TypeError(f"teacher {name!r} must be a module, a (module, tokenizer) pair or a "
+                            f"string spec, got {type(t).__name__}")
+        try:
+            size = check_vocab_compatible(student, t, student_tokenizer=tokenizer,
+                                          teacher_tokenizer=t_tok)
+        except ValueError as err:
+            raise ValueError(f"teacher {name!r} does not share the student's tokenizer: {err}") from None
+        vocab = size if vocab is None else min(vocab, size)
+        out[name] = t
+    assert vocab is not None
+    return out, vocab
+
+
+def _load_teacher(path: str, tokenizer: Any, dtype: torch.dtype | None, device: torch.device,
+                  name: str) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        t_tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"teacher {name!r}: cannot load a tokenizer from {path!r}: {err}") from None
+    try:
+        check_vocab_compatible(tokenizer, t_tok)
+    except ValueError as err:
+        raise ValueError(f"teacher {name!r} does not share the student's tokenizer: {err}") from None
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).to(device)
+    return model.eval(), t_tok
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def _logprobs_at(model: nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                 positions: Mapping[int, Sequence[int]], vocab: int, temperature: float = 1.0,
+                 rows_per_pass: int = 64) -> dict[int, torch.Tensor]:
+    """Next-token log-probs (fp32, ``[n, vocab]``) of ``model`` at ``positions[row]`` (indices of
+    the *predicting* position) for every listed row; one batched forward per chunk of rows."""
+    rows = sorted(r for r, p in positions.items() if p)
+    device = _device(model)
+    out: dict[int, torch.Tensor] = {}
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(rows), rows_per_pass):
+            chunk = rows[start:start + rows_per_pass]
+            seq, attn = sequences[chunk].to(device), attention_mask[chunk].to(device)
+            logits = align_vocab(sequence_logits(model, sequences=seq, attention_mask=attn), vocab)
+            for j, r in enumerate(chunk):
+                sel = logits[j, list(positions[r])].float() / temperature
+                out[r] = sel.log_softmax(-1).cpu()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike],
+             task: Task, *, budget: int = 20_000, tokenizer: Any = None, engine: Engine | None = None,
+             questions: int = 32, split: str = "test", samples_per_question: int = 2, top_k: int = 4,
+             continuations: int = 8, loss: str = "reverse_kl", jsd_beta: float = 0.5,
+             temperature: float = 1.0, max_new_tokens: int | None = None,
+             spacing: str = "exponential", context_separator: str = " ", rank_by: str = "alignment",
+             seed: int = 0, resamples: int = 1000, progress: bool = False,
+             teacher_dtype: torch.dtype | None = None) -> DiagnosticReport:
+    """Score each teacher's distillation signal against the student's ideal gradient.
+
+    ``teachers``: a list or a name → teacher mapping; a teacher is a module sharing the
+    student's tokenizer, a ``(module, tokenizer)`` pair, ``"self:solution|answer|example"``, or
+    a Hugging Face id / directory. ``budget`` caps the continuation rollouts (never exceeded;
+    ``report.rollouts_used`` says how many ran). ``engine`` defaults to an ``HFEngine`` over the
+    student; ``tokenizer`` to the engine's. ``loss`` is the distillation loss whose gradient is
+    scored (``reverse_kl``, ``forward_kl``, ``jsd`` with ``jsd_beta``). Deterministic for a
+    fixed ``seed``. Bad input raises ``ValueError`` before any rollout.
+    """
+    t_start = time.perf_counter()
+    check_options(budget=budget, questions=questions, samples_per_question=samples_per_question,
+                  top_k=top_k, continuations=continuations, loss=loss, jsd_beta=jsd_beta,
+                  temperature=temperature, spacing=spacing, rank_by=rank_by)
+    if tokenizer is None:
+        if engine is None:
+            raise ValueError("give tokenizer= (or an engine that has one)")
+        tokenizer = engine.tokenizer
+    problems = _problems(task, split, questions, seed)
+    models, vocab = resolve_teachers(teachers, student, tokenizer, task, problems,
+                                     context_separator=context_separator, dtype=teacher_dtype)
+    engine = engine if engine is not None else HFEngine(student, tokenizer, batch_size=256)
+    max_new = max_new_tokens or task.max_new_tokens
+    seconds: dict[str, float] = {"setup": time.perf_counter() - t_start}
+
+    # 1. student rollouts
+    t0 = time.perf_counter()
+    roll = engine.generate([p.prompt for p in problems], max_new_tokens=max_new,
+                           temperature=temperature, seed=seed, num_samples=samples_per_question)
+    comps = completion_ids(roll.sequences, roll.completion_mask, roll.prompt_length)
+    correct = [task.is_correct(text, problems[b // samples_per_question])
+               for b, text in enumerate(roll.texts)]
+    seconds["student_rollouts"] = time.perf_counter() - t0
+
+    # 2. candidate nodes from one student forward pass
+    t0 = time.perf_counter()
+    P = roll.prompt_length
+    depths = {b: node_depths(len(c), spacing) for b, c in enumerate(comps)}
+    student_lp = _logprobs_at(student, roll.sequences, roll.attention_mask,
+                              {b: [P + d - 2 for d in ds] for b, ds in depths.items()}, vocab,
+                              temperature)
+    prompt_ids = tokenize_prompts(tokenizer, [p.prompt for p in problems])
+    eos = tokenizer.eos_token_id
+    levels: dict[int, list[Node]] = {}
+    skipped = 0
+    for b, ds in depths.items():
+        q = b // samples_per_question
+        for i, d in enumerate(ds):
+            lp = student_lp[b][i]
+            prefix, sampled = comps[b][:d - 1], comps[b][d - 1]
+            cands = candidate_set(lp, sampled, top_k)
+            free = [c == eos or d >= max_new for c in cands]
+            if not all(f or prefix_text(tokenizer, problems[q].prompt, prompt_ids[q],
+                                        [*prefix, c]) is not None
+                       for c, f in zip(cands, free, strict=True)):
+                skipped += 1
+                continue
+            levels.setdefault(d, []).append(Node(
+                row=b, question=q, sample=b % samples_per_question, depth=d, prefix=prefix,
+                sampled=sampled, candidates=cands, student_probs=lp[cands].exp().tolist(),
+                rollout_correct=bool(correct[b]), free=free))
+    candidates_total = sum(len(v) for v in levels.values())
+    nodes, planned = plan_nodes([levels[d] for d in sorted(levels)], budget, continuations, seed)
+    nodes.sort(key=lambda n: (n.row, n.depth))
+    if not nodes and candidates_total:
+        raise ValueError(f"budget {budget} does not fit a single node (the cheapest needs "
+                         f"{min(node_cost(n, continuations) for v in levels.values() for n in v)})")
+    seconds["nodes"] = time.perf_counter() - t0
+
+    # 3. targeted continuations, shared by every teacher
+    t0 = time.perf_counter()
+    bar = _bar(planned, progress, "continuations")
+    est = estimate_success(engine, task, problems, nodes, continuations=continuations,
+                           max_new_tokens=max_new, temperature=temperature, seed=seed + 1,
+                           on_progress=bar.update)
+    bar.close()
+    assert est.rollouts == planned, (est.rollouts, planned)
+    seconds["continuations"] = time.perf_counter() - t0
+
+    # 4. teachers: one forward pass each over the rollouts, then the scores
+    t0 = time.perf_counter()
+    node_positions: dict[int, list[int]] = {}
+    slots = []  # node i's row in its row's teacher log-probs
+    for n in nodes:
+        row = node_positions.setdefault(n.row, [])
+        slots.append(len(row))
+        row.append(P + n.depth - 2)
+    # The same forward as the teachers' (same rows, same batches): a teacher identical to the
+    # student then gives bit-identical q and an exactly zero distillation gradient.
+    student_at = _logprobs_at(student, roll.sequences, roll.attention_mask, node_positions, vocab,
+                              temperature)
+    records = [_node_record(n, student_at[n.row][slots[i]], est.p_succ[i], est.counts[i],
+                            problems, tokenizer) for i, n in enumerate(nodes)]
+    for name, model in _progress_items(models, progress):
+        teacher_at = _logprobs_at(model, roll.sequences, roll.attention_mask, node_positions, vocab)
+        for i, (n, rec) in enumerate(zip(nodes, records, strict=True)):
+            rec["teachers"][name] = _teacher_scores(
+                rec, student_at[n.row][slots[i]], teacher_at[n.row][slots[i]],
+                n.candidates, top_k, loss, jsd_beta)
+    seconds["teachers"] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - t_start
+
+    informative = sum(r["informative"] for r in records)
+    counts = {"questions": len(problems), "rollouts": len(comps),
+              "correct_rollouts": int(sum(correct)), "candidate_nodes": candidates_total,
+              "nodes": len(records), "informative": informative,
+              "uninformative": len(records) - informative, "skipped_tokenization": skipped}
+    solve = [sum(correct[q * samples_per_question:(q + 1) * samples_per_question])
+             / samples_per_question for q in range(len(problems))]
+    config = dict(budget=budget, questions=len(problems), split=split,
+                  samples_per_question=samples_per_question, top_k=top_k,
+                  continuations=continuations, loss=loss, jsd_beta=jsd_beta,
+                  temperature=temperature, max_new_tokens=max_new, spacing=spacing,
+                  context_separator=context_separator, seed=seed, task=task.name)
+    return DiagnosticReport(
+        teachers=list(models), nodes=records, counts=counts, rollouts_used=est.rollouts,
+        budget=budget, config=config, seconds=seconds, rank_by=rank_by, resamples=resamples,
+        seed=seed, questions=[{"index": q, "prompt": p.prompt, "answer": p.answer,
+                               "solve_rate": solve[q]} for q, p in enumerate(problems)])
+
+
+def _node_record(n: Node, student_lp: torch.Tensor, p_succ: list[float], counts: list[int],
+                 problems: Sequence[Problem], tokenizer: Any) -> dict[str, Any]:
+    p = scores.renormalise(student_lp[n.candidates].double().exp())
+    s = torch.tensor(p_succ, dtype=torch.float64)
+    return {
+        "question": n.question, "sample": n.sample, "depth": n.depth,
+        "rollout_correct": n.rollout_correct, "prompt": problems[n.question].prompt,
+        "prefix": tokenizer.decode(n.prefix, skip_special_tokens=False),
+        "candidates": n.candidates,
+        "candidate_tokens": [tokenizer.decode([c], skip_special_tokens=False) for c in n.candidates],
+        "sampled": n.sampled, "student_probs": p.tolist(), "p_succ": p_succ, "counts": counts,
+        "value": float((p * s).sum()), "informative": bool(scores.has_signal(s)), "teachers": {},
+    }
+
+
+def _teacher_scores(rec: dict[str, Any], student_lp: torch.Tensor, teacher_lp: torch.Tensor,
+                    candidates: list[int], top_k: int, loss: str, beta: float) -> dict[str, Any]:
+    p = torch.tensor(rec["student_probs"], dtype=torch.float64)
+    q = scores.renormalise(teacher_lp[candidates].double().exp())
+    s = torch.tensor(rec["p_succ"], dtype=torch.float64)
+    distill = scores.distillation_gradient(p, q, loss, beta=beta)
+    align, zero = scores.alignment(scores.ideal_gradient(p, s), distill)
+    proxies = scores.proxy_scores(student_lp, teacher_lp, min(top_k, student_lp.shape[-1]))
+    out: dict[str, Any] = {
+        "alignment": align if rec["informative"] else None,
+        "zero_gradient": zero,
+        "advantage": float(scores.teacher_advantage(p, q, s)),
+        "teacher_probs": q.tolist(),
+        **{k: float(v) for k, v in proxies.items()},
+    }
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in out.items()}
+
+
+def _bar(total: int, enabled: bool, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, desc=desc, unit="rollout", dynamic_ncols=True)
+
+
+def _progress_items(models: Mapping[str, nn.Module], enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(list(models.items()), disable=not enabled, desc="teachers", dynamic_ncols=True)
