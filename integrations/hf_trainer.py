@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, JumpRecord
+from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, JumpRecord, resharding
 from lookahead_opd.extrapolator import ParamsSpec
 from lookahead_opd.selection import trainable, transformer_blocks
 from lookahead_opd.snapshot import SnapshotStore
@@ -150,6 +150,10 @@ def _base_optimizer(optimizer: Any) -> Any:
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
     return None
+
+
+def _named_list(params: list[Any]) -> list[tuple[str, torch.Tensor]]:
+    return [x if isinstance(x, tuple) else (str(i), x) for i, x in enumerate(params)]
 
 
 def _is_sharded(params: list[torch.Tensor]) -> bool:
@@ -350,8 +354,20 @@ class ExtrapolationCallback(TrainerCallback):
                     "earlier run; pass snapshot='full' or 'lowrank' to get a fresh store per run"
                 )
             options["snapshot"] = copy.deepcopy(store)
-        params = self.select_params(model)
-        return Extrapolator(params, self._score, optimizer=optimizer, **options)
+        params = list(self.select_params(model))
+        partitioned = [
+            n for n, p in _named_list(params) if hasattr(p, "ds_id") or hasattr(p, "ds_tensor")
+        ]
+        if partitioned:
+            raise ValueError(
+                f"DeepSpeed ZeRO-3 partitions the parameters ({partitioned[:3]}...), so the "
+                "extrapolator would see empty placeholders; use ZeRO stage 1 or 2, or FSDP2 "
+                "(fsdp_version=2), whose DTensor shards the extrapolator handles"
+            )
+        # Under FSDP2 a gate forward leaves the root module unsharded, blind to the candidates
+        # written into the shards; resharding() drops that copy (a no-op without FSDP2).
+        score = resharding(model, self._score)
+        return Extrapolator(params, score, optimizer=optimizer, **options)
 
     def _state_paths(self, folder: str) -> list[str]:
         assert self.extrapolator is not None

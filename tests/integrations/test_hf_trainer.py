@@ -5,6 +5,7 @@ micro-batches each, so searches happen after optimizer steps 1, 2, 4 and 8."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -120,7 +121,9 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 def decisions(history) -> list[tuple]:
     """A history without its timings, comparable across runs."""
-    return [(r.step, r.score_before, r.coefficients, r.scores, r.accepted, r.n_evals) for r in history]
+    return [
+        (r.step, r.score_before, r.coefficients, r.scores, r.accepted, r.n_evals) for r in history
+    ]
 
 
 class StepsOfEvals(TrainerCallback):
@@ -291,11 +294,21 @@ def test_callback_and_extrapolating_optimizer_together_is_rejected(tmp_path):
         trainer.train()
 
 
+def test_deepspeed_zero3_placeholders_are_rejected(tmp_path):
+    """ZeRO-3 replaces each parameter by an empty placeholder carrying ``ds_id``; extrapolating
+    those would silently do nothing, so the callback refuses (DeepSpeed itself is not needed
+    to check the guard: the marker is what DeepSpeed sets)."""
+    model = tiny_model()
+    model.model.embed_tokens.weight.ds_id = 0
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=TRAIN)
+    trainer.add_callback(ExtrapolationCallback(lambda: 0.0))
+    with pytest.raises(ValueError, match=r"ZeRO-3.*embed_tokens.*ZeRO stage 1 or 2, or FSDP2"):
+        trainer.train()
+
+
 def test_transformer_blocks_selection(tmp_path):
     model = tiny_model()
-    trainer = Trainer(
-        model=model, args=training_args(tmp_path, max_steps=1), train_dataset=TRAIN
-    )
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=TRAIN)
     cb = add_extrapolation(trainer, neg_gate_loss(model), params="transformer_blocks")
     trainer.train()
     names = cb.extrapolator.names
@@ -303,7 +316,7 @@ def test_transformer_blocks_selection(tmp_path):
     assert not any("embed_tokens" in n for n in names)
 
 
-def _run_with_checkpoints(tmp_path, resume_from: str | None = None, make_opt: bool = False):
+def _run_with_checkpoints(tmp_path, resume_from: str | bool | None = None, make_opt: bool = False):
     """Eight steps with saves every 3 (and at the end); with ``resume_from``, a fresh model,
     callback and Trainer continue from that checkpoint."""
     model = tiny_model(seed=0 if resume_from is None else 123)
@@ -333,9 +346,13 @@ def test_resume_continues_schedule_anchor_and_history(tmp_path):
     assert [r.step for r in resumed.history] == SEARCH_STEPS
     assert resumed.extrapolator.step_count == STEPS
     assert_same_params(params_of(model), params_of(resumed_model))
-    # resume_from_checkpoint=True (the latest checkpoint, step 8) works through the same path.
-    _, last, _ = _run_with_checkpoints(tmp_path, resume_from=os.path.join(tmp_path, "out", "checkpoint-6"))
+    # A checkpoint taken after a search (the jump at step 4 is in checkpoint-6's anchor), found
+    # with resume_from_checkpoint=True once the last one is gone.
+    shutil.rmtree(os.path.join(tmp_path, "out", "checkpoint-8"))
+    last_model, last, trainer = _run_with_checkpoints(tmp_path, resume_from=True)
+    assert trainer.state.global_step == STEPS
     assert decisions(last.history) == decisions(cb.history)
+    assert_same_params(params_of(model), params_of(last_model))
 
 
 def test_resume_without_saved_state_continues_the_schedule(tmp_path, caplog):
@@ -471,7 +488,9 @@ def test_trl_distillation_trainer_with_eval_fn(tmp_path):
     tok = _char_tokenizer()
     student, teacher = _char_model(tok, seed=0), _char_model(tok, seed=1)
     gate = tok([p for p, _ in _sums(8, 2)], return_tensors="pt", padding=True)
-    teacher_ids = teacher.generate(**gate, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
+    teacher_ids = teacher.generate(
+        **gate, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id
+    )
 
     def agreement() -> float:
         """Teacher-forced agreement of the student's greedy tokens with the teacher's."""
