@@ -36,7 +36,8 @@ class DiagnoseConfig:
     student: str = _opt("", "student: a Hugging Face causal LM id or local directory")
     teacher: list[str] = _opt([], "teacher(s): model id/directory or self:solution|answer|example; "
                                   "repeat the flag or give several")
-    task: str = _opt("arithmetic", "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
+    task: str = _opt("arithmetic",
+                     "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
     questions: int = _opt(32, "questions to roll the student out on")
     budget: int = _opt(20_000, "total continuation rollouts (never exceeded)")
     output_dir: str = _opt("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
@@ -79,7 +80,8 @@ class DiagnoseConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.teacher:
-            raise ValueError("give at least one --teacher (a model or self:solution|answer|example)")
+            raise ValueError(
+                "give at least one --teacher (a model or self:solution|answer|example)")
         if len(set(self.teacher)) != len(self.teacher):
             raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
         specs = [parse_teacher_spec(t) for t in self.teacher]
@@ -88,7 +90,8 @@ class DiagnoseConfig:
         if pool is None:
             raise ValueError(f"split must be train, gate or test; got {self.split!r}")
         if not pool:
-            raise ValueError(f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
+            raise ValueError(
+                f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
         if check_paths:
             _check_model_ref("student", self.student)
             for s in specs:
@@ -143,7 +146,8 @@ def run(config: DiagnoseConfig):
             try:
                 check_vocab_compatible(tokenizer, AutoTokenizer.from_pretrained(spec.path))
             except (OSError, ValueError) as err:
-                raise ValueError(f"teacher {t!r} does not share the student's tokenizer: {err}") from None
+                raise ValueError(
+                    f"teacher {t!r} does not share the student's tokenizer: {err}") from None
     dtype = getattr(torch, config.dtype)
     student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
     engine = HFEngine(student, tokenizer, batch_size=config.batch_size)

@@ -60,7 +60,8 @@ def check_options(*, budget: int, questions: int, samples_per_question: int, top
     if not 0.0 <= jsd_beta <= 1.0:
         raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the student's sampling policy), got {temperature}")
+        raise ValueError(
+            f"temperature must be > 0 (the student's sampling policy), got {temperature}")
     if spacing not in SPACINGS:
         raise ValueError(f"spacing must be one of {', '.join(SPACINGS)}; got {spacing!r}")
     if rank_by not in METRICS:
@@ -82,8 +83,8 @@ def _problems(task: Task, split: str, questions: int, seed: int) -> list[Problem
     return task.problems(split, min(questions, len(pool)), seed=seed)
 
 
-def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike], student: nn.Module,
-                     tokenizer: Any, task: Task, problems: Sequence[Problem], *,
+def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike],
+                     student: nn.Module, tokenizer: Any, task: Task, problems: Sequence[Problem], *,
                      context_separator: str = " ", dtype: torch.dtype | None = None,
                      ) -> tuple[dict[str, nn.Module], int]:
     """Name → module for every teacher, and the vocabulary size they all share with the
@@ -92,7 +93,8 @@ def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike]
     if isinstance(teachers, Mapping):
         items = list(teachers.items())
     elif isinstance(teachers, str | nn.Module | tuple):
-        raise TypeError("teachers must be a list or a name → teacher mapping, not a single teacher")
+        raise TypeError(
+            "teachers must be a list or a name → teacher mapping, not a single teacher")
     else:
         items = [(t if isinstance(t, str) else f"teacher{i}", t) for i, t in enumerate(teachers)]
     if not items:
@@ -123,7 +125,8 @@ def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike]
             size = check_vocab_compatible(student, t, student_tokenizer=tokenizer,
                                           teacher_tokenizer=t_tok)
         except ValueError as err:
-            raise ValueError(f"teacher {name!r} does not share the student's tokenizer: {err}") from None
+            raise ValueError(
+                f"teacher {name!r} does not share the student's tokenizer: {err}") from None
         vocab = size if vocab is None else min(vocab, size)
         out[name] = t
     assert vocab is not None
@@ -137,11 +140,13 @@ def _load_teacher(path: str, tokenizer: Any, dtype: torch.dtype | None, device: 
     try:
         t_tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
-        raise ValueError(f"teacher {name!r}: cannot load a tokenizer from {path!r}: {err}") from None
+        raise ValueError(
+            f"teacher {name!r}: cannot load a tokenizer from {path!r}: {err}") from None
     try:
         check_vocab_compatible(tokenizer, t_tok)
     except ValueError as err:
-        raise ValueError(f"teacher {name!r} does not share the student's tokenizer: {err}") from None
+        raise ValueError(
+            f"teacher {name!r} does not share the student's tokenizer: {err}") from None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).to(device)
     return model.eval(), t_tok
 
@@ -175,8 +180,9 @@ def _logprobs_at(model: nn.Module, sequences: torch.Tensor, attention_mask: torc
 
 
 def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike],
-             task: Task, *, budget: int = 20_000, tokenizer: Any = None, engine: Engine | None = None,
-             questions: int = 32, split: str = "test", samples_per_question: int = 2, top_k: int = 4,
+             task: Task, *, budget: int = 20_000, tokenizer: Any = None,
+             engine: Engine | None = None, questions: int = 32, split: str = "test",
+             samples_per_question: int = 2, top_k: int = 4,
              continuations: int = 8, loss: str = "reverse_kl", jsd_beta: float = 0.5,
              temperature: float = 1.0, max_new_tokens: int | None = None,
              spacing: str = "exponential", context_separator: str = " ", rank_by: str = "alignment",
@@ -312,7 +318,8 @@ def _node_record(n: Node, student_lp: torch.Tensor, p_succ: list[float], counts:
         "rollout_correct": n.rollout_correct, "prompt": problems[n.question].prompt,
         "prefix": tokenizer.decode(n.prefix, skip_special_tokens=False),
         "candidates": n.candidates,
-        "candidate_tokens": [tokenizer.decode([c], skip_special_tokens=False) for c in n.candidates],
+        "candidate_tokens": [tokenizer.decode([c], skip_special_tokens=False)
+                             for c in n.candidates],
         "sampled": n.sampled, "student_probs": p.tolist(), "p_succ": p_succ, "counts": counts,
         "value": float((p * s).sum()), "informative": bool(scores.has_signal(s)), "teachers": {},
     }

@@ -155,7 +155,8 @@ class DiagnosticReport:
         for rank, name in enumerate(self.ranking(), 1):
             s = self.summary[name]
             a = s["alignment"]
-            ci = "—" if a["mean"] is None else f"{a['mean']:+.3f} [{a['ci_lo']:+.3f}, {a['ci_hi']:+.3f}]"
+            ci = ("—" if a["mean"] is None
+                  else f"{a['mean']:+.3f} [{a['ci_lo']:+.3f}, {a['ci_hi']:+.3f}]")
             short = name if len(name) <= 27 else "…" + name[-26:]
             lines.append(
                 f"{rank:<5}{short:<28}{ci:<26}"
@@ -224,7 +225,8 @@ class DiagnosticReport:
             "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
             "pre{background:#f4f4f4;padding:1em;overflow-x:auto}img{max-width:100%}</style>"
             "</head><body><h1>Teacher selection diagnostic</h1>"
-            f"<h2>Ranking (by {html.escape(self.rank_by)})</h2><pre>{html.escape(self.table())}</pre>"
+            f"<h2>Ranking (by {html.escape(self.rank_by)})</h2>"
+            f"<pre>{html.escape(self.table())}</pre>"
             "<p>Alignment: cosine between the ideal logit gradient p⊙(P_succ−V) and the "
             "teacher's distillation gradient on each node's candidate set; averages over "
             "informative nodes, 95% bootstrap CIs.</p>"
@@ -265,7 +267,8 @@ class DiagnosticReport:
         plt, (fig, ax) = self._figure()
         width = 0.8 / max(1, len(self.teachers))
         for i, name in enumerate(self.teachers):
-            stats = [self.summary[name]["by_outcome"][o]["alignment"] for o in ("incorrect", "correct")]
+            stats = [self.summary[name]["by_outcome"][o]["alignment"]
+                     for o in ("incorrect", "correct")]
             mean = np.array([np.nan if s["mean"] is None else s["mean"] for s in stats])
             err = np.array([[0.0 if s["mean"] is None else s["mean"] - s["ci_lo"] for s in stats],
                             [0.0 if s["mean"] is None else s["ci_hi"] - s["mean"] for s in stats]])
@@ -284,8 +287,8 @@ class DiagnosticReport:
         plt, (fig, ax) = self._figure()
         solve = {q["index"]: q["solve_rate"] for q in self.questions}
         for name in self.teachers:
-            pts = [(solve.get(int(q), math.nan), v)
-                   for q, v in self.summary[name]["per_question_alignment"].items() if v is not None]
+            per_q = self.summary[name]["per_question_alignment"].items()
+            pts = [(solve.get(int(q), math.nan), v) for q, v in per_q if v is not None]
             if pts:
                 x, y = zip(*pts, strict=True)
                 ax.scatter(x, y, alpha=0.7, label=name)

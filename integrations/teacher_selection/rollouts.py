@@ -107,8 +107,8 @@ def estimate_success(engine: Engine, task: Task, problems: Sequence[Problem], no
             for j, (i, c, forced) in enumerate(chunk):
                 problem = problems[nodes[i].question]
                 rows = new[j * continuations:(j + 1) * continuations]
-                wins = sum(task.is_correct(tok.decode(forced + r, skip_special_tokens=True), problem)
-                           for r in rows)
+                wins = sum(task.is_correct(tok.decode(forced + r, skip_special_tokens=True),
+                                           problem) for r in rows)
                 p_succ[i][c] = wins / continuations
                 counts[i][c] = continuations
             rollouts += len(chunk) * continuations

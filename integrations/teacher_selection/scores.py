@@ -75,8 +75,8 @@ def distillation_gradient(p: torch.Tensor, q: torch.Tensor, loss: str = "reverse
 
     ``p`` (student) and ``q`` (teacher) are renormalised on the set. ``loss``: ``reverse_kl``
     (KL(p‖q)), ``forward_kl`` (KL(q‖p)), or ``jsd`` with TRL's ``beta`` (0 = forward KL,
-    1 = reverse KL, else ``β KL(q‖m) + (1−β) KL(p‖m)``, ``m = βq + (1−β)p``). All have the form
-    ``p_j (f_j − f̄)``, ``f̄ = Σ p_k f_k``.
+    1 = reverse KL, else ``β KL(q‖m) + (1−β) KL(p‖m)``, ``m = βq + (1−β)p``). All have the
+    form ``p_j (f_j − f̄)``, ``f̄ = Σ p_k f_k``; for the JSD ``f = (1−β) log(m/p)``.
     """
     if loss not in DISTILL_LOSSES:
         raise ValueError(f"loss must be one of {', '.join(DISTILL_LOSSES)}; got {loss!r}")
