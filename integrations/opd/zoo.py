@@ -39,6 +39,9 @@ ZOO_SIZES: dict[str, dict[str, int]] = {
                  num_key_value_heads=2),
     "small": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2),
+    # ~69M parameters: the GPU scale study (benchmarks/scale.py), too slow for CPU runs.
+    "large": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
+                  num_key_value_heads=4),
 }
 
 
@@ -110,11 +113,12 @@ def pretrain(model: nn.Module, tokenizer: Any, task: Task, *, steps: int, batch_
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     model.train()
     bar = tqdm(range(1, steps + 1), desc=desc, disable=not progress, dynamic_ncols=True, leave=False)
     for step in bar:
         idx = torch.randint(len(train), (batch_size,), generator=g).tolist()
-        ids, attn, labels = _sft_batch(tokenizer, [train[i] for i in idx], task)
+        ids, attn, labels = (t.to(device) for t in _sft_batch(tokenizer, [train[i] for i in idx], task))
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
