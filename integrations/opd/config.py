@@ -20,7 +20,8 @@ __all__ = ["OPDConfig", "parse_config"]
 
 _ENGINES = ("hf", "vllm")
 _OPTIMIZERS = ("adamw", "adam", "sgd")
-_GATES = ("accuracy", "neg_kl")
+_GATES = ("accuracy", "neg_kl", "none")
+_PARAM_SETS = ("all", "blocks")
 _SNAPSHOTS = ("full", "lowrank")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
@@ -51,7 +52,8 @@ class OPDConfig:
     top_p: float = _opt(1.0, "nucleus sampling of the student's rollouts")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM engine: fraction of GPU memory")
     # loss
-    loss: str = _opt("reverse_kl_pg", "reverse_kl_pg | reverse_kl | jsd")
+    loss: str = _opt("reverse_kl_pg", "reverse_kl_pg | reverse_kl | jsd | drgrpo (RL on the task's "
+                     "exact-match reward, group-mean baseline; needs num_samples >= 2)")
     jsd_beta: float = _opt(0.5, "jsd loss: 0 = forward KL, 1 = reverse KL (TRL convention)")
     discount: float = _opt(0.0, "reverse_kl_pg: discount of later tokens' advantages")
     gradient_accumulation_steps: int = _opt(1, "micro-batches per optimizer step")
@@ -60,17 +62,22 @@ class OPDConfig:
     learning_rate: float = _opt(1e-6, "peak learning rate (the paper: 1e-6)")
     warmup_steps: int = _opt(0, "linear warmup steps, then constant")
     weight_decay: float = _opt(0.0, "weight decay")
+    momentum: float = _opt(0.0, "sgd momentum")
     max_grad_norm: float | None = _opt(1.0, "gradient clipping (None: off)")
     max_steps: int = _opt(100, "optimizer steps")
     # EffOPD
     extrapolate: bool = _opt(False, "wrap the optimizer in ExtrapolatingOptimizer (EffOPD)")
-    gate: str = _opt("accuracy", "gate score: accuracy (exact match) | neg_kl (−reverse KL)")
+    gate: str = _opt("accuracy", "gate score: accuracy (exact match) | neg_kl (−reverse KL) | none "
+                     "(ungated: every candidate is kept, a fixed ExPO-style jump)")
     gate_size: int = _opt(50, "problems in the fixed gate set")
     coefficients: str = _opt("geometric", "geometric | linear | comma-separated numbers")
     max_candidates: int = _opt(5, "candidates tried per search at most")
     snapshot: str = _opt("full", "full | lowrank")
     rank: int | None = _opt(None, "low-rank snapshot rank")
     direction: str = _opt("secant", "secant | averaged")
+    schedule: str = _opt("powers_of_two", "search steps: powers_of_two or comma-separated steps")
+    extrapolate_params: str = _opt("all", "all | blocks (attention and MLP weights only, as the "
+                                   "paper's code)")
     min_improvement: float = _opt(0.0, "a candidate must beat the best score by more than this")
     # evaluation, checkpoints, logging
     eval_every: int = _opt(10, "evaluate greedy accuracy every N steps (0: only at the end)")
@@ -78,6 +85,8 @@ class OPDConfig:
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)")
     resume: bool = _opt(False, "continue from output_dir's checkpoint")
     stop_at_accuracy: float | None = _opt(None, "stop once eval accuracy reaches this")
+    ema_decay: float | None = _opt(None, "evaluate an EMA of the weights with this decay (training "
+                                   "is unchanged)")
     report_to: str = _opt("none", "none | tensorboard | wandb (comma-separated)")
     seed: int = _opt(0, "seed of the prompt order, rollouts and init")
     dtype: str = _opt("float32", f"model dtype: {' | '.join(_DTYPES)}")
@@ -92,6 +101,14 @@ class OPDConfig:
         _choice("snapshot", self.snapshot, _SNAPSHOTS)
         _choice("dtype", self.dtype, _DTYPES)
         _choice("direction", self.direction, ("secant", "averaged"))
+        _choice("extrapolate_params", self.extrapolate_params, _PARAM_SETS)
+        self.schedule_value()
+        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.loss == "drgrpo" and self.num_samples < 2:
+            raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
         from .losses import LOSSES
 
         _choice("loss", self.loss, tuple(LOSSES))
@@ -142,6 +159,19 @@ class OPDConfig:
                 f"coefficients must be geometric, linear or comma-separated numbers, "
                 f"got {self.coefficients!r}"
             ) from None
+
+    def schedule_value(self) -> str | list[int]:
+        """``schedule`` as the optimizer option: ``"powers_of_two"`` or a list of steps."""
+        if self.schedule == "powers_of_two":
+            return self.schedule
+        try:
+            steps = [int(x) for x in self.schedule.split(",") if x.strip()]
+        except ValueError:
+            steps = []
+        if not steps or min(steps) < 1:
+            raise ValueError(f"schedule must be powers_of_two or comma-separated steps >= 1, "
+                             f"got {self.schedule!r}")
+        return steps
 
     def report_to_list(self) -> list[str]:
         return [s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none"]

@@ -33,6 +33,8 @@ __all__ = [
     "discounted_returns",
     "generalized_jsd_loss",
     "get_loss",
+    "group_advantages",
+    "policy_gradient_loss",
     "reverse_kl_loss",
     "reverse_kl_pg_loss",
     "shift_for_next_token",
@@ -377,6 +379,47 @@ def reverse_kl_pg_loss(
     return LossOutput(loss=loss, metrics=metrics)
 
 
+def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Dr. GRPO advantages: each reward minus the mean of its group of ``group_size`` samples of
+    one prompt (rows prompt-major); no division by the group's std."""
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [B] with B divisible by group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    return (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+def policy_gradient_loss(
+    student_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    num_tokens: NumTokens = None,
+) -> LossOutput:
+    """RL baseline (Dr. GRPO, on-policy): ``−Σ_t A_row · log π(y_t) / num_tokens`` with one
+    advantage per row (``group_advantages``), no length or std normalisation per sequence.
+
+    Metrics: ``advantage`` (mean per token), ``num_tokens``.
+    """
+    if not isinstance(student_logprobs, torch.Tensor) or student_logprobs.dim() != 2:
+        raise ValueError("student_logprobs must be a [B, T] tensor")
+    mask = _check_mask(completion_mask, student_logprobs.shape)
+    if advantages.shape != student_logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B]={tuple(student_logprobs.shape[:1])}, "
+                         f"got {tuple(advantages.shape)}")
+    denom = _resolve_num_tokens(num_tokens, mask)
+    dtype = _compute_dtype(student_logprobs.dtype)
+    zero = torch.zeros((), dtype=dtype, device=student_logprobs.device)
+    lp = torch.where(mask, student_logprobs.to(dtype), zero)
+    adv = advantages.detach().to(dtype)[:, None].expand_as(lp)
+    loss = -torch.where(mask, adv * lp, zero).sum() / denom
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1).to(dtype)
+        metrics = _metrics(advantage=torch.where(mask, adv, zero).sum() / n, num_tokens=n_local)
+    return LossOutput(loss=loss, metrics=metrics)
+
+
 def reverse_kl_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -610,9 +653,12 @@ LOSSES: dict[str, Callable[..., LossOutput]] = {
     "reverse_kl_pg": reverse_kl_pg_loss,
     "reverse_kl": reverse_kl_loss,
     "jsd": generalized_jsd_loss,
+    "drgrpo": policy_gradient_loss,
 }
-# What each loss consumes: per-token log-probs [B, T] or full logits [B, T, V] of both models.
-LOSS_INPUTS: dict[str, str] = {"reverse_kl_pg": "logprobs", "reverse_kl": "logits", "jsd": "logits"}
+# What each loss consumes: per-token log-probs [B, T] or full logits [B, T, V] of both models,
+# or the task's rewards (the RL baseline: the teacher is then only measured, never learned from).
+LOSS_INPUTS: dict[str, str] = {"reverse_kl_pg": "logprobs", "reverse_kl": "logits", "jsd": "logits",
+                               "drgrpo": "rewards"}
 
 
 def get_loss(name: str) -> Callable[..., LossOutput]:

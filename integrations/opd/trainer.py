@@ -18,6 +18,8 @@ moment leaves the previous checkpoint loadable.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 
 from lookahead_opd import ExtrapolatingOptimizer
+from lookahead_opd.selection import transformer_blocks
 
 from .config import OPDConfig
 from .engines import Engine, Rollout
@@ -41,6 +44,7 @@ from .losses import (
     align_vocab,
     check_vocab_compatible,
     get_loss,
+    group_advantages,
     reverse_kl_loss,
     shift_for_next_token,
     token_logprobs,
@@ -126,6 +130,12 @@ class OPDTrainer:
         self.gate_seconds = 0.0
         self._gate_sequences: dict[str, torch.Tensor] | None = None
         self.optimizer = self._build_optimizer()
+        self.ema = None
+        if config.ema_decay is not None:
+            from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+            self.ema = AveragedModel(student, multi_avg_fn=get_ema_multi_avg_fn(config.ema_decay),
+                                     use_buffers=True)
         warmup = config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
@@ -139,16 +149,22 @@ class OPDTrainer:
         params = [p for p in self.student.parameters() if p.requires_grad]
         if c.optimizer == "sgd":
             base: torch.optim.Optimizer = torch.optim.SGD(params, lr=c.learning_rate,
+                                                          momentum=c.momentum,
                                                           weight_decay=c.weight_decay)
         else:
             cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
             base = cls(params, lr=c.learning_rate, weight_decay=c.weight_decay)
         if not c.extrapolate:
             return base
+        # gate="none": a score that rises at every call, so every candidate is kept (the fixed,
+        # ungated jump of ExPO / AlphaRL-style baselines); it costs no evaluation.
+        gate = self._timed_gate if c.gate != "none" else itertools.count().__next__
         return ExtrapolatingOptimizer(
-            base, self._timed_gate, mode="max", coefficients=c.coefficient_values(),
+            base, gate, mode="max", coefficients=c.coefficient_values(),
             max_candidates=c.max_candidates, snapshot=c.snapshot, rank=c.rank,
-            direction=c.direction, min_improvement=c.min_improvement)
+            direction=c.direction, min_improvement=c.min_improvement,
+            schedule=c.schedule_value(),
+            params=transformer_blocks(self.student) if c.extrapolate_params == "blocks" else None)
 
     def _timed_gate(self) -> float:
         start = time.perf_counter()
@@ -193,25 +209,52 @@ class OPDTrainer:
         return out.metrics["reverse_kl"]
 
     def evaluate(self) -> float:
-        """Greedy exact-match accuracy on the held-out eval set."""
-        self.engine.push_weights(self.student)
-        return greedy_accuracy(self.engine, self.task, self.eval_problems, self.max_new_tokens)
+        """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
+        with self._ema_weights():
+            self.engine.push_weights(self.student)
+            acc = greedy_accuracy(self.engine, self.task, self.eval_problems, self.max_new_tokens)
+        if self.ema is not None:
+            self.engine.push_weights(self.student)
+        return acc
+
+    @contextlib.contextmanager
+    def _ema_weights(self):
+        """Swap the EMA weights into the student for the duration (no-op without an EMA)."""
+        if self.ema is None:
+            yield
+            return
+        live = [t.detach().clone() for t in self.student.state_dict().values()]
+        with torch.no_grad():
+            for dst, src in zip(self.student.state_dict().values(),
+                                self.ema.module.state_dict().values(), strict=True):
+                dst.copy_(src)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for dst, src in zip(self.student.state_dict().values(), live, strict=True):
+                    dst.copy_(src)
 
     # ------------------------------------------------------------------ one step
-    def _prompts(self, step: int) -> list[str]:
+    def _problems(self, step: int) -> list[Problem]:
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         idx = torch.randperm(len(self.train_problems), generator=g)[: self.config.batch_size]
-        return [self.train_problems[i].prompt for i in idx.tolist()]
+        return [self.train_problems[i] for i in idx.tolist()]
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step and return its metrics."""
         c = self.config
         t0 = time.perf_counter()
+        problems = self._problems(self.step)
         rollout = self.engine.generate(
-            self._prompts(self.step), max_new_tokens=self.max_new_tokens,
+            [p.prompt for p in problems], max_new_tokens=self.max_new_tokens,
             temperature=c.temperature, top_p=c.top_p, seed=c.seed * 1_000_003 + self.step,
             num_samples=c.num_samples).to(c.device)
         t_rollout = time.perf_counter() - t0
+        rows_problems = [p for p in problems for _ in range(c.num_samples)]  # prompt-major rows
+        rewards = torch.tensor([self.task.reward(t, p) for t, p in
+                                zip(rollout.texts, rows_problems, strict=True)])
+        advantages = group_advantages(rewards, c.num_samples).to(c.device)
 
         t1 = time.perf_counter()
         total_tokens = int(rollout.completion_mask[:, 1:].sum())
@@ -221,7 +264,7 @@ class OPDTrainer:
         loss_total = 0.0
         for start in range(0, rows, chunk):
             sl = slice(start, start + chunk)
-            out = self._micro_batch_loss(rollout, sl, max(total_tokens, 1))
+            out = self._micro_batch_loss(rollout, sl, max(total_tokens, 1), advantages[sl])
             out.loss.backward()
             loss_total += float(out.loss.detach())
             n = out.metrics["num_tokens"]
@@ -238,6 +281,8 @@ class OPDTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update_parameters(self.student)
         self.step += 1
         self.engine.push_weights(self.student)
         t_update = time.perf_counter() - t2
@@ -248,6 +293,7 @@ class OPDTrainer:
             "loss": loss_total,
             **{k: v / max(total_tokens, 1) for k, v in sums.items()},
             "num_tokens": total_tokens,
+            "reward": float(rewards.mean()),
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
             "rollout_tokens_per_s": total_tokens / t_rollout if t_rollout > 0 else None,
@@ -263,7 +309,8 @@ class OPDTrainer:
             metrics["jump"] = history[-1].to_dict()
         return metrics
 
-    def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int):
+    def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
+                          advantages: torch.Tensor):
         seq, attn = rollout.sequences[rows], rollout.attention_mask[rows]
         cmask = rollout.completion_mask[rows]
         student_logits = sequence_logits(self.student, sequences=seq, attention_mask=attn)
@@ -272,6 +319,14 @@ class OPDTrainer:
         ls, ids, mask = shift_for_next_token(student_logits, seq, cmask)
         ls = align_vocab(ls, self.vocab_size)
         lt = align_vocab(teacher_logits[:, :-1], self.vocab_size)
+        if LOSS_INPUTS[self.config.loss] == "rewards":
+            lp_student = token_logprobs(ls, ids)
+            out = self.loss_fn(lp_student, advantages, mask, num_tokens=num_tokens)
+            with torch.no_grad():  # the teacher is only measured here, as the other losses do
+                lp_teacher = token_logprobs(lt, ids)
+                n = mask.sum().clamp(min=1)
+                out.metrics["reverse_kl"] = float(((lp_student - lp_teacher) * mask).sum() / n)
+            return out
         if LOSS_INPUTS[self.config.loss] == "logprobs":
             # On-policy: the student scored here is the sampler, so the importance ratio is 1.
             return self.loss_fn(token_logprobs(ls, ids), token_logprobs(lt, ids), mask,
@@ -350,6 +405,7 @@ class OPDTrainer:
             "gate_evals": self.gate_evals,
             "gate_seconds": self.gate_seconds,
             "gate_sequences": self._gate_sequences,
+            "ema": None if self.ema is None else self.ema.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
         torch.save(state, tmp / _STATE)
@@ -397,6 +453,8 @@ class OPDTrainer:
         self.train_seconds = state["train_seconds"]
         self.gate_evals, self.gate_seconds = state["gate_evals"], state["gate_seconds"]
         self._gate_sequences = state["gate_sequences"]
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         self.engine.push_weights(self.student)

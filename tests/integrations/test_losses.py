@@ -19,6 +19,8 @@ from lookahead_opd.integrations.opd.losses import (
     discounted_returns,
     generalized_jsd_loss,
     get_loss,
+    group_advantages,
+    policy_gradient_loss,
     reverse_kl_loss,
     reverse_kl_pg_loss,
     shift_for_next_token,
@@ -515,12 +517,38 @@ def test_vocab_check_with_real_hf_objects():
 
 
 def test_registry():
-    assert set(LOSSES) == {"reverse_kl_pg", "reverse_kl", "jsd"} == set(LOSS_INPUTS)
+    assert set(LOSSES) == {"reverse_kl_pg", "reverse_kl", "jsd", "drgrpo"} == set(LOSS_INPUTS)
     assert get_loss("jsd") is generalized_jsd_loss and get_loss(" Reverse_KL ") is reverse_kl_loss
     assert get_loss("reverse_kl_pg") is reverse_kl_pg_loss
     with pytest.raises(
-        ValueError, match="unknown loss 'kl'; accepted names: jsd, reverse_kl, reverse_kl_pg"
+        ValueError, match="unknown loss 'kl'; accepted names: drgrpo, jsd, reverse_kl, reverse_kl_pg"
     ):
         get_loss("kl")
     s, t, m = rand_case(20)
     assert isinstance(get_loss("jsd")(s, t, m, beta=0.2), LossOutput)
+
+
+# ---------------------------------------------------------------------------------- RL baseline
+
+
+def test_group_advantages_subtract_the_group_mean_only():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    adv = group_advantages(rewards, 3)
+    torch.testing.assert_close(adv, torch.tensor([2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]))
+    assert group_advantages(torch.ones(4), 2).abs().max() == 0  # all equal: no signal
+    with pytest.raises(ValueError, match="divisible"):
+        group_advantages(rewards, 4)
+
+
+def test_policy_gradient_loss_gradient_is_advantage_times_score():
+    torch.manual_seed(0)
+    lp = torch.randn(3, 5, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [0, 1, 1, 1, 1], [0, 0, 1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    out = policy_gradient_loss(lp, adv, mask, num_tokens=10)
+    out.loss.backward()
+    expected = -(adv[:, None] * mask) / 10
+    torch.testing.assert_close(lp.grad, expected)
+    assert out.metrics["num_tokens"] == 7
+    with pytest.raises(ValueError, match="advantages must be"):
+        policy_gradient_loss(lp, adv[:2], mask)

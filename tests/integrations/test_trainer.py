@@ -129,3 +129,60 @@ def test_bad_input(tmp_path, tokenizer):
         _trainer(tmp_path, tokenizer, batch_size=10**7)
     with pytest.raises(ValueError, match="max_new_tokens"):
         _trainer(tmp_path, tokenizer, max_new_tokens=0)
+
+
+def test_ungated_fixed_jump_is_exactly_w_plus_alpha_delta(tmp_path, tokenizer):
+    # gate="none", one coefficient, one scheduled step: the ExPO-style fixed jump, no evals.
+    t = _trainer(tmp_path, tokenizer, extrapolate=True, gate="none", coefficients="2",
+                 max_candidates=1, schedule="2", max_steps=2)
+    w0 = {k: v.clone() for k, v in t.student.state_dict().items()}
+    t.train_step()
+    w1 = {k: v.clone() for k, v in t.student.state_dict().items()}
+    m = t.train_step()
+    assert m["jump"]["accepted"] == 2.0 and t.gate_evals == 0
+    assert [j.step for j in t.optimizer.history] == [2]
+    # W_2 (after the step) + 2·(W_2 − W_0): recover W_2 from the jump's definition.
+    for k, w in t.student.state_dict().items():
+        w2 = (w + 2 * w0[k]) / 3
+        assert not torch.allclose(w2, w1[k])  # the step moved it
+        torch.testing.assert_close(w, w2 + 2 * (w2 - w0[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_only_leaves_embeddings_and_head_out_of_jumps(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, extrapolate=True, gate="none", coefficients="1",
+                 max_candidates=1, extrapolate_params="blocks")
+    names = set(t.optimizer.extrapolator._names)
+    assert names and all(("mlp" in n or "attn" in n or "attention" in n) for n in names)
+    assert not any("embed" in n or "lm_head" in n for n in names)
+
+
+def test_ema_is_evaluated_but_training_is_unchanged(tmp_path, tokenizer):
+    plain = _trainer(tmp_path / "a", tokenizer)
+    plain.train()
+    ema = _trainer(tmp_path / "b", tokenizer, ema_decay=0.5, eval_every=2)
+    ema.train()
+    for a, b in zip(plain.student.state_dict().values(), ema.student.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the EMA never feeds back into training
+    avg = ema.ema.module.state_dict()
+    assert any(not torch.equal(avg[k], v) for k, v in ema.student.state_dict().items())
+    # evaluate() scores the EMA weights and puts the live weights back.
+    before = {k: v.clone() for k, v in ema.student.state_dict().items()}
+    ema.evaluate()
+    assert all(torch.equal(v, before[k]) for k, v in ema.student.state_dict().items())
+
+
+def test_drgrpo_moves_only_on_reward_differences(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="num_samples >= 2"):
+        _trainer(tmp_path, tokenizer, loss="drgrpo")
+    # Equal rewards in every group: zero advantages, so the weights must not move at all.
+    t = _trainer(tmp_path / "a", tokenizer, loss="drgrpo", num_samples=4, batch_size=8, max_steps=2)
+    t.task.reward = lambda completion, problem: 1.0
+    start = {k: v.clone() for k, v in t.student.state_dict().items()}
+    result = t.train()
+    assert {"reward", "reverse_kl", "advantage"} <= set(result.metrics[1])
+    assert all(torch.equal(v, start[k]) for k, v in t.student.state_dict().items())
+    # A reward that differs within groups moves them.
+    t = _trainer(tmp_path / "b", tokenizer, loss="drgrpo", num_samples=4, batch_size=8, max_steps=2)
+    t.task.reward = lambda completion, problem: float(completion[:1] == "1")
+    t.train()
+    assert any(not torch.equal(v, start[k]) for k, v in t.student.state_dict().items())
