@@ -2,7 +2,7 @@
 ``torchrun`` / ``accelerate launch``); torch and accelerate only, a few seconds on a CPU.
 
     python examples/accelerate_loop.py --cpu
-    torchrun --nproc-per-node 2 examples/accelerate_loop.py --cpu --json    # two CPU processes
+    torchrun --standalone --nproc-per-node 2 examples/accelerate_loop.py --cpu   # two CPU processes
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py   # two GPUs
 
 ``accelerator.prepare`` takes the ``ExtrapolatingOptimizer`` like any optimizer: it wraps it
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 
 import torch
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--no-extrapolation", action="store_true", help="the plain baseline")
     parser.add_argument("--save-dir", default=None, help="accelerator.save_state here at the end")
     parser.add_argument("--json", action="store_true", help="print one JSON line per process")
+    parser.add_argument("--out", default=None, help="write result-<process>.json into this dir")
     a = parser.parse_args(argv)
     result = train(
         a.steps,
@@ -138,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         extrapolate=not a.no_extrapolation,
         save_dir=a.save_dir,
     )
+    if a.out is not None:  # one file per process: their stdout lines could interleave
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"result-{result['process']}.json"), "w") as f:
+            json.dump(result, f)
     if a.json:
         print(json.dumps(result), flush=True)
     elif result["process"] == 0:
