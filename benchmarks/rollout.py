@@ -264,7 +264,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     print(f"student: {path} ({n_params:,} parameters); {student_info['source']}", flush=True)
 
     t0 = time.perf_counter()
-    vl = VLLMEngine(path, tokenizer=tokenizer, max_model_len=64, seed=args.seed)
+    vl = VLLMEngine(path, tokenizer=tokenizer, max_model_len=64, seed=args.seed,
+                    kv_cache_memory_bytes=256 * 2**20)
     vllm_init_s = time.perf_counter() - t0
     hf = HFEngine(model, tokenizer, batch_size=args.batch)
     threads_after = torch.get_num_threads()

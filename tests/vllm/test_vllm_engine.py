@@ -28,6 +28,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 PROMPTS = [f"{a}+{b}=" for a in range(0, 40, 3) for b in (7, 48)]  # 28 prompts, varied lengths
 MAX_NEW = 8
+# KV cache: 64 MiB, not vLLM's share of RAM (gpu_memory_utilization is of CPU memory on CPU).
+SMALL = dict(max_model_len=64, kv_cache_memory_bytes=64 * 2**20)
 
 
 def _model(tokenizer, seed: int, *, tie: bool = False) -> Qwen2ForCausalLM:
@@ -61,7 +63,7 @@ def saved(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="module")
 def engine(saved, tokenizer):
     path, _, _ = saved
-    eng = VLLMEngine(path, tokenizer=tokenizer, max_model_len=64, seed=0)
+    eng = VLLMEngine(path, tokenizer=tokenizer, seed=0, **SMALL)
     yield eng
     eng.close()
 
@@ -195,7 +197,7 @@ def test_sleep_and_wake_resync(saved, tokenizer, engine):
     path, model, original = saved
     student = copy.deepcopy(model)
     student.load_state_dict(original)
-    eng = VLLMEngine(path, tokenizer=tokenizer, max_model_len=64, enable_sleep_mode=True)
+    eng = VLLMEngine(path, tokenizer=tokenizer, enable_sleep_mode=True, **SMALL)
     try:
         before = eng.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
         for level in (1, 2):
@@ -254,3 +256,32 @@ def test_opd_trainer_with_vllm_engine_and_effopd_gate(engine, student, tokenizer
     # After training vLLM serves exactly the student's final weights.
     hf = HFEngine(student, tokenizer).generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0)
     _assert_same_greedy(hf, engine.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=0.0))
+
+
+# ------------------------------------------------------------------------------ dtype, tying
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_push_into_tied_embeddings_and_other_dtypes(tmp_path, tokenizer, engine, dtype):
+    """Another LLM, with tied embeddings, in fp32 and bf16 (an fp32 student's pushes are cast).
+    A change to the shared embedding must reach the output layer too: on CPU vLLM keeps a
+    packed copy of it there, which reload_weights alone leaves stale."""
+    model = _model(tokenizer, 3, tie=True)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    saved = copy.deepcopy(model)
+    _perturb(model, scale=0.2)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(1.5)
+    eng = VLLMEngine(tmp_path, tokenizer=tokenizer, dtype=dtype, **SMALL)
+    try:
+        eng.push_weights(model)
+        r = eng.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0, seed=0)
+    finally:
+        eng.close()
+    mask = r.completion_mask.bool()
+    to_pushed = (r.logprobs - _hf_logprobs(model, r))[mask].abs()
+    to_saved = (r.logprobs - _hf_logprobs(saved, r))[mask].abs().mean().item()
+    if dtype == "float32":
+        assert to_pushed.max().item() < 1e-4, to_pushed.max().item()
+    else:  # bf16 rounding: ~0.02-0.03 nats on average here; a stale layer gave 0.17
+        assert to_pushed.mean().item() < 0.06, to_pushed.mean().item()
+    assert to_saved > 0.3, to_saved  # the push mattered

@@ -32,11 +32,36 @@ def _push_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> Non
     linear weight for oneDNN and drops the original tensor: a bare ``load_weights`` then has
     nowhere to write. Older versions fall back to ``load_weights`` on the model.
     """
-    if hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        return
     model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
-    model.load_weights(weights)
+    if not hasattr(worker, "reload_weights"):
+        model.load_weights(weights)
+        return
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    _reprocess_shared_weights(model)
+
+
+def _reprocess_shared_weights(model: torch.nn.Module) -> None:
+    """Re-run post-load processing on layers that share a weight (tied embeddings).
+
+    ``reload_weights`` reprocesses a tied matrix through one owner only; a layer that shares it
+    and derives kernel state from it keeps the old state. On CPU the tied ``lm_head`` holds a
+    packed copy of the embedding for its GEMM, so without this the logits would still use the
+    old embedding (measured: a pushed embedding change was invisible in the output layer).
+    Embedding layers keep their weight when processed, so running it again is safe.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and weight.numel() > 0:
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            process = getattr(method, "process_weights_after_loading", None)
+            if callable(process) and hasattr(method, "embedding"):  # embedding-style only
+                process(module)
 
 
 def _named_weights(model_or_state_dict: Any) -> list[tuple[str, torch.Tensor]]:
