@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,32 +16,16 @@ datasets = pytest.importorskip("datasets")
 
 
 def _import_trl():
-    """Import trl. A test folder named ``vllm`` on sys.path (pytest puts tests/ there) reads
-    as an empty namespace package ``vllm``, which TRL takes for an installed vLLM of unknown
-    version and then fails to import; hide such folders while TRL looks."""
-    spec = importlib.util.find_spec("vllm")
-    shadow = []
-    if spec is not None and spec.origin is None:  # a namespace package, not vLLM
-        roots = {str(Path(p).parent) for p in spec.submodule_search_locations or []}
-        shadow = [p for p in sys.path if p in roots]
-        sys.modules.pop("vllm", None)
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if p not in shadow]
-    importlib.invalidate_caches()
+    """Import trl and the trainer modules it loads lazily (they check for vLLM on import)."""
+    module = pytest.importorskip("trl")
+    importlib.import_module("trl.trainer.sft_trainer")
+    if hasattr(module, "DistillationTrainer"):
+        importlib.import_module("trl.trainer.distillation_trainer")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     try:
-        module = pytest.importorskip("trl")
-        # TRL's lazy modules check for vLLM when first imported: import them now.
-        importlib.import_module("trl.trainer.sft_trainer")
-        if hasattr(module, "DistillationTrainer"):
-            importlib.import_module("trl.trainer.distillation_trainer")
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        try:
-            importlib.import_module("trl.experimental.gkd")
-        except ImportError:
-            pass
-    finally:
-        sys.path[:] = saved
-        importlib.invalidate_caches()
+        importlib.import_module("trl.experimental.gkd")
+    except ImportError:
+        pass
     return module
 
 
