@@ -254,14 +254,8 @@ class DiagnosticReport:
                             [x["ci_hi"] - m for m, x in zip(mean, s, strict=True)]])
             ax.errorbar(d, mean, yerr=err, marker="o", capsize=3, label=name)
         ax.set_xscale("log", base=2)
-        ax.axhline(0.0, color="gray", lw=0.8)
         ax.set_xlabel("node depth (token position in the completion)")
-        ax.set_ylabel("mean alignment (95% CI)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _finish(plt, fig, ax, path, "mean alignment (95% CI)")
 
     def _plot_by_outcome(self, path: Path) -> None:
         plt, (fig, ax) = self._figure()
@@ -275,13 +269,7 @@ class DiagnosticReport:
             ax.bar(np.arange(2) + i * width, mean, width, yerr=err, capsize=3, label=name)
         ax.set_xticks(np.arange(2) + width * (len(self.teachers) - 1) / 2,
                       ["incorrect rollouts", "correct rollouts"])
-        ax.axhline(0.0, color="gray", lw=0.8)
-        ax.set_ylabel("mean alignment (95% CI)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _finish(plt, fig, ax, path, "mean alignment (95% CI)")
 
     def _plot_per_question(self, path: Path) -> None:
         plt, (fig, ax) = self._figure()
@@ -292,14 +280,19 @@ class DiagnosticReport:
             if pts:
                 x, y = zip(*pts, strict=True)
                 ax.scatter(x, y, alpha=0.7, label=name)
-        ax.axhline(0.0, color="gray", lw=0.8)
         ax.set_xlabel("question: fraction of the student's rollouts that are correct")
-        ax.set_ylabel("question's mean alignment")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        _finish(plt, fig, ax, path, "question's mean alignment")
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, ylabel: str) -> None:
+    """Zero line, y label, legend (when anything is labelled), save, close."""
+    ax.axhline(0.0, color="gray", lw=0.8)
+    ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _clean(obj: Any) -> Any:
