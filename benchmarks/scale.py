@@ -170,12 +170,9 @@ class PathRecorder:
 def run_opd(a: argparse.Namespace, task: Any, tokenizer: Any, student0: Any, teacher: Any, *,
             name: str, lr: float, extrapolate: bool, gate: str = "neg_kl", gate_size: int | None = None,
             coefficients: str = "geometric", out_dir: Path) -> dict[str, Any]:
+    from lookahead_opd.integrations.opd.compare import run_variant
     from lookahead_opd.integrations.opd.config import OPDConfig
-    from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
-    torch.manual_seed(a.seed)
-    student = copy.deepcopy(student0)
     config = OPDConfig(
         task=a.task, output_dir=str(out_dir / name), batch_size=a.batch_size, max_steps=a.steps,
         learning_rate=lr, warmup_steps=0, optimizer="adamw", loss="reverse_kl_pg",
@@ -183,25 +180,18 @@ def run_opd(a: argparse.Namespace, task: Any, tokenizer: Any, student0: Any, tea
         gate_size=gate_size or a.gate_size, coefficients=coefficients, max_candidates=5,
         eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed, device=a.device,
         progress=False, save_every=0)
-    engine = HFEngine(student, tokenizer, batch_size=2048)
-    path = PathRecorder(student)
-    trainer = OPDTrainer(config, student, teacher, task, engine, tokenizer=tokenizer,
-                         callbacks=[path])
-    t0 = time.perf_counter()
-    result = trainer.train()
-    wall = time.perf_counter() - t0
-    seconds = {m["step"]: m["train_seconds"] for m in result.metrics}
-    kl = [(m["step"], m["reverse_kl"]) for m in result.metrics if "reverse_kl" in m]
-    return {
-        "name": name, "lr": lr, "extrapolate": extrapolate, "gate": gate if extrapolate else None,
-        "gate_size": (gate_size or a.gate_size) if extrapolate else None,
-        "coefficients": coefficients if extrapolate else None,
-        "evals": result.evals, "train_seconds": seconds, "reverse_kl": kl,
-        "jumps": [{"step": j["step"], "accepted": j["accepted"], "score_before": j["score_before"],
-                   "scores": j["scores"], "coefficients": j["coefficients"]} for j in result.jumps],
-        "gate_evals": trainer.gate_evals, "gate_seconds": trainer.gate_seconds,
-        "wall_seconds": wall, "path": path.summary(),
-    }
+    paths: list[PathRecorder] = []
+
+    def record_path(model: Any) -> list[PathRecorder]:
+        paths.append(PathRecorder(model))
+        return paths
+
+    run = run_variant(config, student0, teacher, task, tokenizer, engine_batch_size=2048,
+                      callbacks=record_path)
+    run.update(name=name, lr=lr, extrapolate=extrapolate, gate=gate if extrapolate else None,
+               gate_size=(gate_size or a.gate_size) if extrapolate else None,
+               coefficients=coefficients if extrapolate else None, path=paths[0].summary())
+    return run
 
 
 # --------------------------------------------------------------------------- summary

@@ -23,13 +23,15 @@ __all__ = ["run_variant", "steps_to_target", "jump_survival"]
 
 
 def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task: Task,
-                tokenizer: Any, *, callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
+                tokenizer: Any, *,
+                callbacks: Callable[[nn.Module], Sequence[Callable[[dict[str, Any]], None]]] | None = None,
                 on_student: Callable[[nn.Module], Any] | None = None,
                 engine_batch_size: int = 1024) -> dict[str, Any]:
     """Train a deep copy of ``student`` with ``config``; ``student`` itself is not touched.
 
-    ``on_student(copy)`` is called with the trained copy before it is dropped (to measure
-    anything else on it); its return value is stored under ``"extra"``.
+    ``callbacks(copy)`` returns the ``OPDTrainer`` callbacks for the copy being trained (to
+    watch its weights); ``on_student(copy)`` is called with the trained copy before it is
+    dropped, and its return value is stored under ``"extra"``.
     """
     from .engines import HFEngine
     from .trainer import OPDTrainer
@@ -38,7 +40,7 @@ def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task:
     model = copy.deepcopy(student)
     engine = HFEngine(model, tokenizer, batch_size=engine_batch_size)
     trainer = OPDTrainer(config, model, teacher, task, engine, tokenizer=tokenizer,
-                         callbacks=list(callbacks))
+                         callbacks=list(callbacks(model)) if callbacks else None)
     t0 = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DemoConfig", "run_demo", "main", "steps_to_target"]
+__all__ = ["DemoConfig", "run_demo", "main", "format_table"]
 
 
 @dataclass
@@ -63,46 +63,22 @@ class DemoConfig:
                                    eval_every=min(self.eval_every, 2))
 
 
-def steps_to_target(evals: list[tuple[int, float]], target: float) -> int | None:
-    """First evaluated step whose accuracy reaches ``target`` (None if never)."""
-    return next((s for s, a in evals if a >= target), None)
-
-
-def _run_one(cfg: DemoConfig, student_path: Path, teacher_path: Path, *, extrapolate: bool) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
+    from .compare import run_variant
     from .config import OPDConfig
-    from .engines import HFEngine
     from .tasks import load_task
-    from .trainer import OPDTrainer
 
-    torch.manual_seed(cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(student_path)
-    student = AutoModelForCausalLM.from_pretrained(student_path, dtype=torch.float32)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32)
     name = "effopd" if extrapolate else "opd"
     config = OPDConfig(
-        student=str(student_path), teacher=str(teacher_path), task=cfg.task,
+        student=models["student_path"], teacher=models["teacher_path"], task=cfg.task,
         output_dir=str(Path(cfg.output_dir) / name), batch_size=cfg.batch_size,
         loss=cfg.loss, optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, extrapolate=extrapolate,
         gate=cfg.gate, gate_size=cfg.gate_size, coefficients=cfg.coefficients,
         eval_every=cfg.eval_every, eval_size=cfg.eval_size, seed=cfg.seed, progress=cfg.progress,
     )
-    engine = HFEngine(student, tokenizer, batch_size=256)
-    trainer = OPDTrainer(config, student, teacher, load_task(cfg.task), engine, tokenizer=tokenizer)
-    result = trainer.train()
-    train_seconds = {m["step"]: m["train_seconds"] for m in result.metrics}
-    return {
-        "evals": result.evals,
-        "train_seconds": train_seconds,
-        "jumps": result.jumps,
-        "gate_evals": trainer.gate_evals,
-        "gate_seconds": trainer.gate_seconds,
-        "final_accuracy": result.evals[-1][1],
-        "reverse_kl": [(m["step"], m["reverse_kl"]) for m in result.metrics if "reverse_kl" in m],
-    }
+    return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
+                       models["tokenizer"], engine_batch_size=256)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -124,8 +100,16 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     build_seconds = time.perf_counter() - t0
     teacher_acc = pair.accuracies["teacher"]
     target = cfg.target_fraction * teacher_acc
-    runs = {"opd": _run_one(cfg, pair.student_path, pair.teacher_path, extrapolate=False),
-            "effopd": _run_one(cfg, pair.student_path, pair.teacher_path, extrapolate=True)}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .compare import steps_to_target
+
+    models = {"student_path": str(pair.student_path), "teacher_path": str(pair.teacher_path),
+              "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
+              "student": AutoModelForCausalLM.from_pretrained(pair.student_path, dtype=torch.float32),
+              "teacher": AutoModelForCausalLM.from_pretrained(pair.teacher_path, dtype=torch.float32)}
+    runs = {"opd": _run_one(cfg, models, extrapolate=False),
+            "effopd": _run_one(cfg, models, extrapolate=True)}
     for run in runs.values():
         step = steps_to_target(run["evals"], target)
         run["steps_to_target"] = step

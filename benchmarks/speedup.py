@@ -1,0 +1,443 @@
+"""The headline benchmark: OPD steps and wall-clock to 90% of the teacher's accuracy, plain OPD
+vs EffOPD and the baselines, across seeds, on the embedded arithmetic task (CPU, tiny models).
+
+Every run starts from the same student (the demo's base) and goes through the real
+``OPDTrainer``; runs of one seed share prompts and rollout seeds. Variants (``VARIANTS``):
+
+- ``opd@xM``: plain OPD at M × the base learning rate (the sweep that gives a tuned baseline);
+- ``effopd@xM``: EffOPD as our defaults run it (geometric c, full snapshot, all params,
+  −reverse-KL gate on 128 fixed rollouts), same sweep;
+- ``paper``: EffOPD as the paper's code runs it (linear 2k, attention/MLP only, full snapshot,
+  exact-match gate on 50 problems); ``lowrank``, ``blocks``, ``acc50``, ``gate256``,
+  ``averaged``: one option of ours changed at a time;
+- ``fixed``: ungated extrapolation (ExPO / AlphaRL style: a fixed c = 1 at steps 16, 32, 64);
+- ``ema``: plain OPD evaluated through an EMA of the weights (decay 0.9);
+- ``rl`` / ``rl+effopd``: Dr. GRPO on the exact-match reward (4 samples × 16 prompts, the
+  same 64 rollouts per step), plain and with EffOPD (accuracy gate), to test whether the
+  foresight is specific to OPD;
+- factors: batch 256, SGD with momentum, an independently trained teacher, a 4× larger model;
+- ``retain-*``: the base is trained on + and −, only + is distilled; each method's best
+  learning rate is picked with and without a retention budget (≤ 2 points lost on −).
+
+Results are rewritten after every run and reused on a rerun (``--fresh`` to start over), so a
+killed benchmark loses one run at most. ``--quick`` checks the pipeline in CI (not the numbers).
+
+    python -m benchmarks.speedup                 # the full study (~1 hour on 2 cores)
+    python -m benchmarks.speedup --quick --out /tmp/speedup
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine_info, markdown_table, write_results
+
+STEM = "speedup"
+BASE_LR = 3e-4
+LR_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
+RETENTION_BUDGET = 0.02
+
+# Pairs of (student, teacher) built by the zoo: (task the models learn, size, teacher regime).
+PAIRS: dict[str, tuple[str, str, str]] = {
+    "same-base": ("arithmetic", "tiny", "same-base"),
+    "independent": ("arithmetic", "tiny", "independent"),
+    "small": ("arithmetic", "small", "same-base"),
+    "multiop": ("arithmetic:ops=+-", "tiny", "same-base"),
+}
+
+_EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
+_PAPER = dict(extrapolate=True, gate="accuracy", gate_size=50, coefficients="linear",
+              extrapolate_params="blocks")
+
+
+def _variants() -> dict[str, dict[str, Any]]:
+    """name -> {"pair", "task" (OPD task, default the pair's), "config": OPDConfig overrides,
+    "group", "seeds" (how many)}."""
+    v: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, group: str, seeds: int, pair: str = "same-base", task: str | None = None,
+            **config: Any) -> None:
+        v[name] = {"pair": pair, "task": task, "config": config, "group": group, "seeds": seeds}
+
+    for m in LR_MULTIPLIERS:
+        add(f"opd@x{m:g}", "lr sweep", 3, learning_rate=BASE_LR * m)
+        add(f"effopd@x{m:g}", "lr sweep", 3, learning_rate=BASE_LR * m, **_EFFOPD)
+    add("paper", "methods", 3, **_PAPER)
+    add("fixed", "methods", 3, extrapolate=True, gate="none", coefficients="1", max_candidates=1,
+        schedule="16,32,64")
+    add("ema", "methods", 3, ema_decay=0.9)
+    add("rl", "methods", 3, loss="drgrpo", num_samples=4, batch_size=16)
+    add("rl+effopd", "methods", 3, loss="drgrpo", num_samples=4, batch_size=16, extrapolate=True,
+        gate="accuracy", gate_size=50)
+    add("lowrank", "options", 2, **_EFFOPD, snapshot="lowrank", rank=4)
+    add("blocks", "options", 2, **_EFFOPD, extrapolate_params="blocks")
+    add("acc50", "options", 2, **{**_EFFOPD, "gate": "accuracy", "gate_size": 50})
+    add("gate256", "options", 2, **{**_EFFOPD, "gate_size": 256})
+    add("averaged", "options", 2, **_EFFOPD, direction="averaged")
+    for tag, extra in (("", {}), ("+effopd", _EFFOPD)):
+        add(f"batch256{tag}", "factors", 2, batch_size=256, **extra)
+        add(f"sgd{tag}", "factors", 2, optimizer="sgd", momentum=0.9, learning_rate=0.05, **extra)
+        add(f"independent{tag}", "factors", 2, pair="independent", **extra)
+        add(f"small{tag}", "factors", 2, pair="small", **extra)
+    for m in LR_MULTIPLIERS:
+        add(f"retain-opd@x{m:g}", "retention", 2, pair="multiop", task="arithmetic:ops=+",
+            learning_rate=BASE_LR * m)
+        add(f"retain-effopd@x{m:g}", "retention", 2, pair="multiop", task="arithmetic:ops=+",
+            learning_rate=BASE_LR * m, **_EFFOPD)
+    return v
+
+
+VARIANTS = _variants()
+QUICK_VARIANTS = ("opd@x1", "effopd@x1", "paper", "fixed", "ema", "rl", "retain-opd@x1")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--variants", default="all", help="comma-separated names, or all")
+    p.add_argument("--max-seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval-size", type=int, default=200)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--fresh", action="store_true", help="ignore results of an earlier run")
+    p.add_argument("--quick", action="store_true", help="a few steps of a few variants (CI)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.variants, a.max_seeds, a.steps = ",".join(QUICK_VARIANTS), 1, 6
+        a.batch_size, a.eval_every, a.eval_size, a.fresh = 16, 2, 40, True
+    names = list(VARIANTS) if a.variants == "all" else [s.strip() for s in a.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    a.names = names
+    return a
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Models:
+    """Loads each zoo pair once (building it on first use) and the teacher's accuracy."""
+
+    def __init__(self, cache_dir: str | None, progress: bool) -> None:
+        self.cache_dir, self.progress = cache_dir, progress
+        self._pairs: dict[str, dict[str, Any]] = {}
+
+    def get(self, key: str) -> dict[str, Any]:
+        if key not in self._pairs:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from lookahead_opd.integrations.opd.zoo import build_pair
+
+            task, size, regime = PAIRS[key]
+            pair = build_pair(self.cache_dir, task_spec=task, size=size, teacher_regime=regime,
+                              progress=self.progress)
+            self._pairs[key] = {
+                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
+                "student": AutoModelForCausalLM.from_pretrained(pair.student_path, dtype=torch.float32),
+                "teacher": AutoModelForCausalLM.from_pretrained(pair.teacher_path, dtype=torch.float32),
+                "accuracies": pair.accuracies, "path": str(pair.student_path),
+            }
+        return self._pairs[key]
+
+
+def accuracy_on(model: Any, tokenizer: Any, task_spec: str, n: int) -> float:
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
+
+    task = load_task(task_spec)
+    return greedy_accuracy(model, tokenizer, task, task.problems("test", min(n, len(task.problems("test"))),
+                                                              seed=12345))
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def run_one(a: argparse.Namespace, models: Models, name: str, seed: int) -> dict[str, Any]:
+    from lookahead_opd.integrations.opd.compare import run_variant
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.tasks import load_task
+
+    spec = VARIANTS[name]
+    pair = models.get(spec["pair"])
+    task_spec = spec["task"] or PAIRS[spec["pair"]][0]
+    overrides = dict(spec["config"])
+    batch = overrides.pop("batch_size", a.batch_size)
+    if a.quick:
+        batch = min(batch, a.batch_size)
+        overrides["gate_size"] = min(overrides.get("gate_size", 50), 20)
+    config = OPDConfig(
+        task=task_spec, output_dir=f"/tmp/lookahead-opd-speedup/{name}-{seed}", max_steps=a.steps,
+        batch_size=batch, learning_rate=overrides.pop("learning_rate", BASE_LR), warmup_steps=4,
+        eval_every=a.eval_every, eval_size=a.eval_size, seed=seed, progress=False, **overrides)
+    retention = None
+    if spec["pair"] == "multiop":  # what the not-distilled operation keeps
+        retention = lambda m: accuracy_on(m, pair["tokenizer"], "arithmetic:ops=-", a.eval_size)  # noqa: E731
+    run = run_variant(config, pair["student"], pair["teacher"], load_task(task_spec),
+                      pair["tokenizer"], on_student=retention)
+    run.update(variant=name, seed=seed, lr=config.learning_rate, group=spec["group"])
+    return run
+
+
+def teacher_accuracy(models: Models, spec: dict[str, Any]) -> float:
+    pair = models.get(spec["pair"])
+    if spec["task"] is None:
+        return pair["accuracies"]["teacher"]
+    return accuracy_on(pair["teacher"], pair["tokenizer"], spec["task"], 2000)
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Per variant: steps / seconds to target per seed, final accuracy, jumps, survival."""
+    from lookahead_opd.integrations.opd.compare import jump_survival, steps_to_target
+
+    runs = results["runs"]
+    by_variant: dict[str, list[dict[str, Any]]] = {}
+    for r in runs.values():
+        by_variant.setdefault(r["variant"], []).append(r)
+    summary: dict[str, Any] = {}
+    for name, rs in by_variant.items():
+        target = results["targets"][name]
+        rs.sort(key=lambda r: r["seed"])
+        steps = [steps_to_target(r["evals"], target) for r in rs]
+        secs = [None if s is None else r["train_seconds"][str(s)] for s, r in zip(steps, rs, strict=True)]
+        plain_name = _plain_for(name)
+        survival = []
+        for r in rs:
+            plain = runs.get(f"{plain_name}/{r['seed']}")
+            if plain is not None and name != plain_name:
+                survival += jump_survival(r, plain, horizon=8)
+        kept = [s["ahead_after"] for s in survival if s["ahead_after"] is not None]
+        summary[name] = {
+            "group": rs[0]["group"], "lr": rs[0]["lr"], "seeds": [r["seed"] for r in rs],
+            "target": target, "steps_to_target": steps, "seconds_to_target": secs,
+            "final_accuracy": [r["final_accuracy"] for r in rs],
+            "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"] is not None]
+                               for r in rs],
+            "searches": [len(r["jumps"]) for r in rs],
+            "gate_evals": [r["gate_evals"] for r in rs],
+            "jumps_still_ahead_8_steps_later": f"{sum(kept)}/{len(kept)}" if kept else None,
+            "retention": [r["extra"] for r in rs] if rs[0].get("extra") is not None else None,
+        }
+    return summary
+
+
+def _plain_for(name: str) -> str:
+    """The plain-OPD run a variant is compared with (same pair, task and learning rate)."""
+    if name.startswith(("effopd@", "opd@")):
+        return "opd@" + name.split("@")[1]
+    if name.startswith("retain-"):
+        return "retain-opd@" + name.split("@")[1]
+    if name.startswith("rl"):
+        return "rl"
+    for prefix in ("batch256", "sgd", "independent", "small"):
+        if name.startswith(prefix):
+            return prefix
+    return "opd@x1"
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.fmean(vals) if len(vals) == len(xs) and vals else None
+
+
+def _fmt_range(xs: list[float | None], fmt: str = "{:.0f}") -> str:
+    if not xs:
+        return "—"
+    if any(x is None for x in xs):
+        reached = sum(x is not None for x in xs)
+        return f"{reached}/{len(xs)} reached" + (
+            f" ({fmt.format(statistics.fmean([x for x in xs if x is not None]))})" if reached else "")
+    m = statistics.fmean(xs)
+    return f"{fmt.format(m)} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
+
+
+def best_lr(summary: dict[str, Any], prefix: str, baseline_retention: float | None,
+            budget: float | None) -> str | None:
+    """The variant of ``prefix@x…`` with the fewest mean steps to target (all seeds reached),
+    among those losing at most ``budget`` of ``baseline_retention`` when a budget is given."""
+    best, best_steps = None, None
+    for m in LR_MULTIPLIERS:
+        s = summary.get(f"{prefix}@x{m:g}")
+        if s is None:
+            continue
+        if budget is not None:
+            if s["retention"] is None or baseline_retention is None:
+                continue
+            if min(s["retention"]) < baseline_retention - budget:
+                continue
+        steps = _mean(s["steps_to_target"])
+        if steps is not None and (best_steps is None or steps < best_steps):
+            best, best_steps = f"{prefix}@x{m:g}", steps
+    return best
+
+
+def report(results: dict[str, Any]) -> str:
+    s = results["summary"]
+    m = results["machine"]
+    lines = [
+        "# Speed-up: OPD vs EffOPD and baselines (embedded arithmetic, CPU)",
+        "",
+        f"{m.get('cpu_model')}, {m.get('cpu_count')} cores, torch {m.get('torch')}; "
+        f"{results['config']['steps']} steps per run, batch {results['config']['batch_size']} prompts "
+        f"(unless the variant says otherwise), eval every {results['config']['eval_every']} steps on "
+        f"{results['config']['eval_size']} held-out problems. Target: 0.9 × the teacher's greedy "
+        "accuracy. Seconds are the run's own training clock (rollouts, scoring, updates and gate "
+        "evals; measurement evals excluded), measured while other processes shared the 2 cores, so "
+        "compare them within a table, not across runs of this file. Mean [min–max] over seeds; "
+        "'k/n reached' when some seeds never reached the target within the budget.",
+        "",
+    ]
+    headers = ["variant", "lr", "steps to target", "seconds to target", "steps speed-up vs plain",
+               "final acc", "jumps kept (step:c), per seed", "kept jumps still ahead 8 steps later"]
+    for group in ("lr sweep", "methods", "options", "factors", "retention"):
+        rows = []
+        for name, v in s.items():
+            if v["group"] != group:
+                continue
+            plain = s.get(_plain_for(name))
+            speed = "—"
+            if plain is not None and name != _plain_for(name):
+                p, w = _mean(plain["steps_to_target"]), _mean(v["steps_to_target"])
+                speed = "—" if p is None or w is None else f"{p / w:.2f}×"
+            jumps = "; ".join(" ".join(f"{st}:{c:g}" for st, c in js) or "none"
+                              for js in v["accepted_jumps"]) if any(v["searches"]) else "—"
+            rows.append([name, f"{v['lr']:g}", _fmt_range(v["steps_to_target"]),
+                         _fmt_range(v["seconds_to_target"], "{:.1f}"), speed,
+                         _fmt_range(v["final_accuracy"], "{:.1%}"), jumps,
+                         v["jumps_still_ahead_8_steps_later"] or "—"])
+        if rows:
+            lines += [f"## {group}", "", markdown_table(headers, rows), ""]
+    # Tuned comparisons.
+    lines += ["## Against a tuned baseline", ""]
+    for label, prefix_plain, prefix_eff, budget in (
+            ("unconstrained (embedded task)", "opd", "effopd", None),
+            ("unconstrained (+ only, base on + and −)", "retain-opd", "retain-effopd", None),
+            (f"retention budget ≤ {RETENTION_BUDGET:.0%} lost on − ", "retain-opd", "retain-effopd",
+             RETENTION_BUDGET)):
+        base_ret = results.get("baseline_retention")
+        bp, be = (best_lr(s, prefix_plain, base_ret, budget), best_lr(s, prefix_eff, base_ret, budget))
+        if bp is None or be is None:
+            lines.append(f"- {label}: not measurable (best plain {bp}, best EffOPD {be})")
+            continue
+        sp, se = _mean(s[bp]["steps_to_target"]), _mean(s[be]["steps_to_target"])
+        lines.append(f"- {label}: best plain {bp} ({sp:.0f} steps), best EffOPD {be} ({se:.0f} steps): "
+                     f"**{sp / se:.2f}×** fewer steps with EffOPD")
+    if results.get("baseline_retention") is not None:
+        lines.append(f"- the base's accuracy on − before distillation: {results['baseline_retention']:.1%}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs, s = results["runs"], results["summary"]
+    groups = [g for g in ("lr sweep", "methods", "options", "factors", "retention")
+              if any(v["group"] == g for v in s.values())]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, group in zip(axes[0], groups, strict=True):
+        for name, v in s.items():
+            if v["group"] != group:
+                continue
+            curves = [runs[f"{name}/{seed}"]["evals"] for seed in v["seeds"]]
+            steps = [e[0] for e in curves[0]]
+            mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(steps))]
+            line, = ax.plot(steps, mean, label=name, lw=1.2)
+            for js in v["accepted_jumps"][:1]:  # the first seed's kept jumps
+                for st, _c in js:
+                    ax.axvline(st, color=line.get_color(), ls=":", alpha=0.5)
+        ax.set_title(group)
+        ax.set_xlabel("OPD step")
+        ax.set_ylabel("greedy accuracy (mean over seeds)")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / f"{STEM}_accuracy.png", dpi=110)
+    plt.close(fig)
+
+    names = [n for n, v in s.items() if n != _plain_for(n)]
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4))
+    for i, name in enumerate(names):
+        plain = s.get(_plain_for(name))
+        if plain is None:
+            continue
+        ratios = [p / w for p, w in zip(plain["steps_to_target"], s[name]["steps_to_target"], strict=False)
+                  if p is not None and w is not None]
+        if not ratios:
+            continue
+        mean = statistics.fmean(ratios)
+        ax.bar(i, mean, color="tab:blue")
+        ax.errorbar(i, mean, yerr=[[mean - min(ratios)], [max(ratios) - mean]], color="black", capsize=3)
+    ax.axhline(1.0, color="gray", ls=":")
+    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("steps-to-target speed-up vs plain (min–max over seeds)")
+    fig.tight_layout()
+    fig.savefig(out / f"{STEM}_bars.png", dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm.auto import tqdm
+
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{STEM}.json"
+    results: dict[str, Any] = {"runs": {}, "targets": {}}
+    if path.exists() and not a.fresh:
+        old = json.loads(path.read_text())
+        if old.get("config", {}).get("steps") == a.steps:
+            results = old
+    results["config"] = {k: v for k, v in vars(a).items() if k != "names"}
+    results["machine"] = machine_info(torch.device("cpu"))
+    models = Models(a.cache_dir, progress=True)
+    todo = [(n, seed) for n in a.names for seed in range(min(VARIANTS[n]["seeds"], a.max_seeds))
+            if f"{n}/{seed}" not in results["runs"]]
+    bar = tqdm(todo, desc="speedup runs", dynamic_ncols=True)
+    for name, seed in bar:
+        bar.set_postfix_str(f"{name} seed {seed}")
+        spec = VARIANTS[name]
+        if name not in results["targets"]:
+            results["targets"][name] = 0.9 * teacher_accuracy(models, spec)
+        if spec["pair"] == "multiop" and results.get("baseline_retention") is None:
+            pair = models.get("multiop")
+            results["baseline_retention"] = accuracy_on(pair["student"], pair["tokenizer"],
+                                                        "arithmetic:ops=-", a.eval_size)
+        t0 = time.perf_counter()
+        run = run_one(a, models, name, seed)
+        run["train_seconds"] = {str(k): v for k, v in run["train_seconds"].items()}
+        results["runs"][f"{name}/{seed}"] = run
+        results["summary"] = summarize(results)
+        write_results(str(out), STEM, results, report(results))
+        tqdm.write(f"{name} seed {seed}: {time.perf_counter() - t0:.0f}s, final acc "
+                   f"{run['final_accuracy']:.1%}, steps to target "
+                   f"{results['summary'][name]['steps_to_target'][-1]}")
+    if results["runs"]:
+        results["summary"] = summarize(results)
+        write_results(str(out), STEM, results, report(results))
+        plot(results, out)
+        print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
