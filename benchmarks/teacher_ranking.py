@@ -42,11 +42,11 @@ from benchmarks.common import machine_info, markdown_table, write_results  # noq
 FULL = dict(questions=64, samples_per_question=2, budget=8_000, top_k=4, continuations=8,
             thresholds=dict(student=0.2, short=0.5, mid=0.8, long=0.95), every=50,
             max_pretrain_steps=5000, minus_steps=300,
-            opd_steps=100, batch_size=64,
+            opd_steps=100, opd_seeds=(0, 1, 2), batch_size=64,
             learning_rate=3e-4, eval_size=400)
 QUICK = dict(questions=8, samples_per_question=2, budget=600, top_k=3, continuations=4,
              thresholds=dict(student=0.0, short=0.01, mid=0.02, long=0.03), every=20,
-             max_pretrain_steps=100, minus_steps=10, opd_steps=3,
+             max_pretrain_steps=100, minus_steps=10, opd_steps=3, opd_seeds=(0,),
              batch_size=16,
              learning_rate=3e-4, eval_size=50)
 SCORES = ("alignment", "alignment_incorrect", "alignment_correct", "advantage", "reverse_kl",
@@ -235,25 +235,39 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     diag_seconds = time.perf_counter() - t1
     print(report.table(), flush=True)
 
-    # 2. a fixed-length OPD run per teacher, same student, seed and prompts
+    # 2. fixed-length OPD runs per teacher (several seeds: a gain is a noisy number), all from
+    #    the same student; seed s uses the same prompts and rollout seeds for every teacher
     runs: dict[str, dict[str, Any]] = {}
     scratch = tempfile.mkdtemp(prefix="teacher-ranking-")  # OPD checkpoints: not kept
     for name in report.teachers:
-        student = _load(student_path)
-        teacher = make_teacher(name, student)
-        cfg = OPDConfig(output_dir=str(Path(scratch) / name.replace(":", "_")),
-                        batch_size=c["batch_size"], max_steps=c["opd_steps"],
-                        learning_rate=c["learning_rate"], warmup_steps=4, eval_every=0,
-                        eval_size=c["eval_size"], seed=seed, progress=False)
-        trainer = OPDTrainer(cfg, student, teacher, task, HFEngine(student, tok, batch_size=256),
-                             tokenizer=tok)
-        t2 = time.perf_counter()
-        result = trainer.train()
-        wall = time.perf_counter() - t2
-        (before, after) = result.evals[0][1], result.evals[-1][1]
-        runs[name] = {"accuracy_before": before, "accuracy_after": after, "gain": after - before,
-                      "train_seconds": trainer.train_seconds, "wall_seconds": wall}
-        print(f"OPD with {name}: {before:.3f} -> {after:.3f} in {wall:.1f}s", flush=True)
+        per_seed = []
+        for s in c["opd_seeds"]:
+            student = _load(student_path)
+            teacher = make_teacher(name, student)
+            cfg = OPDConfig(output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
+                            batch_size=c["batch_size"], max_steps=c["opd_steps"],
+                            learning_rate=c["learning_rate"], warmup_steps=4, eval_every=0,
+                            eval_size=c["eval_size"], seed=seed + s, progress=False)
+            trainer = OPDTrainer(cfg, student, teacher, task,
+                                 HFEngine(student, tok, batch_size=256), tokenizer=tok)
+            t2 = time.perf_counter()
+            result = trainer.train()
+            wall = time.perf_counter() - t2
+            before, after = result.evals[0][1], result.evals[-1][1]
+            per_seed.append({"seed": seed + s, "accuracy_before": before, "accuracy_after": after,
+                             "gain": after - before, "train_seconds": trainer.train_seconds,
+                             "wall_seconds": wall})
+            print(f"OPD with {name} (seed {seed + s}): {before:.3f} -> {after:.3f} "
+                  f"in {wall:.1f}s", flush=True)
+        gains_ = [r["gain"] for r in per_seed]
+        runs[name] = {
+            "accuracy_before": float(np.mean([r["accuracy_before"] for r in per_seed])),
+            "accuracy_after": float(np.mean([r["accuracy_after"] for r in per_seed])),
+            "gain": float(np.mean(gains_)),
+            "gain_sem": float(np.std(gains_, ddof=1) / np.sqrt(len(gains_))) if len(gains_) > 1
+            else None,
+            "train_seconds": per_seed[0]["train_seconds"], "wall_seconds": per_seed[0]["wall_seconds"],
+            "seeds": per_seed}
     shutil.rmtree(scratch, ignore_errors=True)
 
     # 3. correlations across teachers
@@ -274,6 +288,17 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
         score_values[score] = vals
     score_values["teacher_accuracy (baseline, not a diagnostic score)"] = [teacher_acc[n] for n in names]
     corr = {s: spearman(v, gains) for s, v in score_values.items()}
+    # The practical question: does the top-scored teacher give the best OPD run? (For proxies
+    # with no agreed direction, both ends are shown: highest-scored and lowest-scored.)
+    best_gain = max(gains)
+    picks: dict[str, dict[str, Any]] = {}
+    for s_name, vals in score_values.items():
+        known = [(v, n) for v, n in zip(vals, names, strict=True) if v is not None]
+        if not known:
+            continue
+        hi, lo = max(known)[1], min(known)[1]
+        picks[s_name] = {"highest": hi, "highest_regret": best_gain - runs[hi]["gain"],
+                         "lowest": lo, "lowest_regret": best_gain - runs[lo]["gain"]}
     opd_train = sum(r["train_seconds"] for r in runs.values())
     opd_wall = sum(r["wall_seconds"] for r in runs.values())
     data = {
@@ -285,7 +310,8 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
                        "rollouts_used": report.rollouts_used, "ranking": report.ranking(),
                        "summary": {n: {k: v for k, v in report.summary[n].items()
                                        if k != "per_question_alignment"} for n in names}},
-        "scores": score_values, "spearman": corr,
+        "scores": score_values, "spearman": corr, "picks": picks,
+        "best_teacher_by_gain": names[int(np.argmax(gains))],
         "diagnostic_fraction_of_opd_train_seconds": diag_seconds / opd_train if opd_train else None,
         "diagnostic_fraction_of_opd_wall_seconds": diag_seconds / opd_wall if opd_wall else None,
     }
@@ -299,6 +325,10 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return "—" if v is None else f"{v:+.{digits}f}" if isinstance(v, float) else str(v)
 
 
+def _gain(r: dict[str, Any]) -> str:
+    return _fmt(r["gain"]) + ("" if r.get("gain_sem") is None else f" ± {r['gain_sem']:.3f}")
+
+
 def _ck(d: dict[str, Any], name: str) -> str:
     t = d["trajectory"][name]
     return f"step {t['step']}, probe {t['probe_accuracy']:.2f}" + ("" if t["reached"] else ", threshold not reached")
@@ -307,12 +337,17 @@ def _ck(d: dict[str, Any], name: str) -> str:
 def _markdown(d: dict[str, Any]) -> str:
     names = list(d["runs"])
     rows = [[n, f"{d['teacher_accuracy'][n]:.3f}", f"{d['runs'][n]['accuracy_before']:.3f}",
-             f"{d['runs'][n]['accuracy_after']:.3f}", _fmt(d["runs"][n]["gain"])]
+             f"{d['runs'][n]['accuracy_after']:.3f}", _gain(d["runs"][n])]
             + [_fmt(d["scores"][s][i]) for s in SCORES] for i, n in enumerate(names)]
     table = markdown_table(["teacher", "teacher acc", "student before", "after OPD", "gain",
                             *SCORES], rows)
-    corr = markdown_table(["score", "Spearman ρ vs gain"],
-                          [[s, _fmt(v, 2)] for s, v in d["spearman"].items()])
+    corr = markdown_table(
+        ["score", "Spearman ρ vs gain", "highest-scored teacher (regret)",
+         "lowest-scored teacher (regret)"],
+        [[s, _fmt(v, 2),
+          f"{d['picks'][s]['highest']} ({d['picks'][s]['highest_regret']:.3f})",
+          f"{d['picks'][s]['lowest']} ({d['picks'][s]['lowest_regret']:.3f})"]
+         for s, v in d["spearman"].items()])
     diag = d["diagnostic"]
     c = d["config"]
     return "\n".join([
@@ -330,13 +365,20 @@ def _markdown(d: dict[str, Any]) -> str:
         f"sampled, {c['continuations']} continuations per candidate, budget {c['budget']}: "
         f"{diag['rollouts_used']} rollouts, {diag['counts']['nodes']} nodes, "
         f"{diag['counts']['informative']} informative); then {c['opd_steps']} OPD steps "
+        f"× {len(c['opd_seeds'])} seeds "
         f"(batch {c['batch_size']}, lr {c['learning_rate']}, reverse-KL PG) per teacher, gain = "
-        f"held-out greedy accuracy after − before ({c['eval_size']} problems).",
+        f"held-out greedy accuracy after − before ({c['eval_size']} problems), mean ± s.e.m. "
+        "over seeds; the student's own accuracy is measured on a separate probe.",
         "",
         table, "",
+        "A teacher whose distillation gradient is zero at every node (`copy`) has no alignment "
+        "(the report says `None` and counts zero-gradient nodes); here it counts as 0.", "",
         "Spearman correlation across teachers between each score and the realised gain "
-        f"(n = {len(names)}; with so few teachers |ρ| < 0.83 is not significant at 5%):", "",
+        f"(n = {len(names)} teachers; the two-sided 5% critical value of Spearman's ρ is "
+        "0.886 for n = 6 — a rank correlation over so few teachers is a coarse check):", "",
         corr, "",
+        f"Best teacher by realised gain: `{d['best_teacher_by_gain']}`. Regret = best gain − "
+        "the picked teacher's gain.", "",
         f"Diagnostic wall-clock: {diag['seconds']:.1f} s = "
         f"{d['diagnostic_fraction_of_opd_train_seconds']:.3f} of the OPD runs' training time "
         f"({sum(r['train_seconds'] for r in d['runs'].values()):.1f} s; "
