@@ -157,7 +157,8 @@ def _load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list, max_new: int) -> float:
+def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list,
+                     max_new: int) -> float:
     """Greedy exact match by repeated full forwards (works for ``ContextTeacher`` too)."""
     from lookahead_opd.integrations.opd.engines import tokenize_prompts
     from lookahead_opd.integrations.opd.trainer import sequence_logits
@@ -223,7 +224,8 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     teacher_acc = {k: _greedy_accuracy(make_teacher(k, student), tok, task, probe,
                                        task.max_new_tokens) for k in names}
     student_acc = _greedy_accuracy(student, tok, task, probe, task.max_new_tokens)
-    print("student accuracy:", student_acc, "teacher accuracy:", {k: round(v, 3) for k, v in teacher_acc.items()}, flush=True)
+    print("student accuracy:", student_acc, "teacher accuracy:",
+          {k: round(v, 3) for k, v in teacher_acc.items()}, flush=True)
 
     # 1. the diagnostic, once, over every teacher
     diag_teachers = {k: make_teacher(k, student) for k in names}
@@ -266,7 +268,8 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
             "gain": float(np.mean(gains_)),
             "gain_sem": float(np.std(gains_, ddof=1) / np.sqrt(len(gains_))) if len(gains_) > 1
             else None,
-            "train_seconds": per_seed[0]["train_seconds"], "wall_seconds": per_seed[0]["wall_seconds"],
+            "train_seconds": per_seed[0]["train_seconds"],
+            "wall_seconds": per_seed[0]["wall_seconds"],
             "seeds": per_seed}
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -286,7 +289,8 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
             vals = [0.0 if v is None and report.summary[n]["zero_gradient_nodes"] else v
                     for n, v in zip(names, vals, strict=True)]
         score_values[score] = vals
-    score_values["teacher_accuracy (baseline, not a diagnostic score)"] = [teacher_acc[n] for n in names]
+    baseline = "teacher_accuracy (baseline, not a diagnostic score)"
+    score_values[baseline] = [teacher_acc[n] for n in names]
     corr = {s: spearman(v, gains) for s, v in score_values.items()}
     # The practical question: does the top-scored teacher give the best OPD run? (For proxies
     # with no agreed direction, both ends are shown: highest-scored and lowest-scored.)
@@ -316,7 +320,8 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
         "diagnostic_fraction_of_opd_wall_seconds": diag_seconds / opd_wall if opd_wall else None,
     }
     stem = "teacher_ranking_quick" if quick else "teacher_ranking"
-    for p in write_results(out_dir, stem, json.loads(json.dumps(data, default=float)), _markdown(data)):
+    clean = json.loads(json.dumps(data, default=float))
+    for p in write_results(out_dir, stem, clean, _markdown(data)):
         print("wrote", p)
     return data
 
@@ -331,7 +336,8 @@ def _gain(r: dict[str, Any]) -> str:
 
 def _ck(d: dict[str, Any], name: str) -> str:
     t = d["trajectory"][name]
-    return f"step {t['step']}, probe {t['probe_accuracy']:.2f}" + ("" if t["reached"] else ", threshold not reached")
+    note = "" if t["reached"] else ", threshold not reached"
+    return f"step {t['step']}, probe {t['probe_accuracy']:.2f}{note}"
 
 
 def _markdown(d: dict[str, Any]) -> str:
@@ -349,9 +355,10 @@ def _markdown(d: dict[str, Any]) -> str:
           f"{d['picks'][s]['lowest']} ({d['picks'][s]['lowest_regret']:.3f})"]
          for s, v in d["spearman"].items()])
     diag = d["diagnostic"]
-    c = d["config"]
+    c, m = d["config"], d["machine"]
     return "\n".join([
-        "# Teacher ranking: does the diagnostic predict the OPD gain?" + (" (quick)" if d["quick"] else ""),
+        "# Teacher ranking: does the diagnostic predict the OPD gain?"
+        + (" (quick)" if d["quick"] else ""),
         "",
         f"One training run from scratch on 2-digit addition (Qwen2, hidden 64, 2 layers; "
         f"`zoo.pretrain`), checkpointed the first time its greedy probe accuracy reached each "
@@ -384,8 +391,8 @@ def _markdown(d: dict[str, Any]) -> str:
         f"({sum(r['train_seconds'] for r in d['runs'].values()):.1f} s; "
         f"{d['diagnostic_fraction_of_opd_wall_seconds']:.3f} of their wall-clock with evaluation).",
         "",
-        f"Machine: {d['machine'].get('cpu_model')}, {d['machine'].get('torch_threads')} torch threads, "
-        f"shared with other jobs; torch {d['machine']['torch']}; commit {d['machine']['git_commit']}.",
+        f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch threads, shared with "
+        f"other jobs; torch {m['torch']}; commit {m['git_commit']}.",
     ])
 
 

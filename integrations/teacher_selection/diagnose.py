@@ -86,23 +86,28 @@ def _problems(task: Task, split: str, questions: int, seed: int) -> list[Problem
 def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike],
                      student: nn.Module, tokenizer: Any, task: Task, problems: Sequence[Problem], *,
                      context_separator: str = " ", dtype: torch.dtype | None = None,
-                     ) -> tuple[dict[str, nn.Module], int]:
-    """Name → module for every teacher, and the vocabulary size they all share with the
-    student. Raises ``ValueError`` for unknown specs and tokenizer mismatches; model ids are
-    loaded only after their tokenizer has been checked."""
+                     ) -> tuple[dict[str, nn.Module], int, dict[str, str]]:
+    """Name → module for every teacher, the vocabulary size they all share with the student,
+    and name → what was given (the spec string, or the module's class name). A model path is
+    named by its last component unless two teachers share it. Raises ``ValueError`` for
+    unknown specs and tokenizer mismatches; model ids are loaded only after their tokenizer
+    has been checked."""
     if isinstance(teachers, Mapping):
         items = list(teachers.items())
     elif isinstance(teachers, str | nn.Module | tuple):
         raise TypeError(
             "teachers must be a list or a name → teacher mapping, not a single teacher")
     else:
-        items = [(t if isinstance(t, str) else f"teacher{i}", t) for i, t in enumerate(teachers)]
+        items = [(_display_name(t, teachers) if isinstance(t, str) else f"teacher{i}", t)
+                 for i, t in enumerate(teachers)]
     if not items:
         raise ValueError("give at least one teacher")
     names = [n for n, _ in items]
     if len(set(names)) != len(names):
         raise ValueError(f"teacher names must be distinct, got {names}")
     out: dict[str, nn.Module] = {}
+    given = {name: t if isinstance(t, str) else type(t[0] if isinstance(t, tuple) else t).__name__
+             for name, t in items}
     vocab = None
     for name, t in items:
         t_tok = tokenizer
@@ -130,7 +135,17 @@ def resolve_teachers(teachers: Mapping[str, TeacherLike] | Sequence[TeacherLike]
         vocab = size if vocab is None else min(vocab, size)
         out[name] = t
     assert vocab is not None
-    return out, vocab
+    return out, vocab, given
+
+
+def _display_name(spec: str, all_specs: Sequence[Any]) -> str:
+    """A model path's last component when no other teacher shares it, else the whole spec."""
+    if spec.startswith("self:") or "/" not in spec.rstrip("/"):
+        return spec
+    short = spec.rstrip("/").rsplit("/", 1)[-1]
+    others = [s.rstrip("/").rsplit("/", 1)[-1] for s in all_specs
+              if isinstance(s, str) and s != spec]
+    return spec if short in others else short
 
 
 def _load_teacher(path: str, tokenizer: Any, dtype: torch.dtype | None, device: torch.device,
@@ -207,7 +222,7 @@ def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[
             raise ValueError("give tokenizer= (or an engine that has one)")
         tokenizer = engine.tokenizer
     problems = _problems(task, split, questions, seed)
-    models, vocab = resolve_teachers(teachers, student, tokenizer, task, problems,
+    models, vocab, given = resolve_teachers(teachers, student, tokenizer, task, problems,
                                      context_separator=context_separator, dtype=teacher_dtype)
     engine = engine if engine is not None else HFEngine(student, tokenizer, batch_size=256)
     max_new = max_new_tokens or task.max_new_tokens
@@ -301,7 +316,8 @@ def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[
                   samples_per_question=samples_per_question, top_k=top_k,
                   continuations=continuations, loss=loss, jsd_beta=jsd_beta,
                   temperature=temperature, max_new_tokens=max_new, spacing=spacing,
-                  context_separator=context_separator, seed=seed, task=task.name)
+                  context_separator=context_separator, seed=seed, task=task.name,
+                  teachers=given)
     return DiagnosticReport(
         teachers=list(models), nodes=records, counts=counts, rollouts_used=est.rollouts,
         budget=budget, config=config, seconds=seconds, rank_by=rank_by, resamples=resamples,

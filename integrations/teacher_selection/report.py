@@ -254,6 +254,10 @@ class DiagnosticReport:
                             [x["ci_hi"] - m for m, x in zip(mean, s, strict=True)]])
             ax.errorbar(d, mean, yerr=err, marker="o", capsize=3, label=name)
         ax.set_xscale("log", base=2)
+        depths = sorted({n["depth"] for n in self.informative_nodes})
+        if depths:
+            ax.set_xticks(depths, [str(d) for d in depths])
+            ax.minorticks_off()
         ax.set_xlabel("node depth (token position in the completion)")
         _finish(plt, fig, ax, path, "mean alignment (95% CI)")
 

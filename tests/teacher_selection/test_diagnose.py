@@ -247,7 +247,8 @@ def test_cli(tok, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     assert "self:solution" in capsys.readouterr().out
     data = json.loads((out / "report.json").read_text())
-    assert sorted(data["teachers"]) == sorted([t, "self:solution"])
+    assert sorted(data["teachers"]) == ["self:solution", "teacher"]  # a path: its last part
+    assert data["config"]["teachers"]["teacher"] == t
     assert data["rollouts_used"] <= 120 and (out / "report.html").is_file()
 
     other_tok = char_tokenizer("0123456789abcdef")
