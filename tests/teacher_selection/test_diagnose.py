@@ -263,3 +263,32 @@ def test_cli(tok, tmp_path, capsys):
                        "--output_dir", str(tmp_path / "x"), *args])
         err = capsys.readouterr().err.strip()
         assert rc == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_loss_choice_changes_the_distillation_gradient_only(student, tok):
+    teachers = {"t": _model(tok, 7)}
+    rkl = _run(student, tok, teachers, loss="reverse_kl")
+    jsd1 = _run(student, tok, teachers, loss="jsd", jsd_beta=1.0)  # β = 1 is the reverse KL
+    fkl = _run(student, tok, teachers, loss="forward_kl")
+    assert [n["p_succ"] for n in rkl.nodes] == [n["p_succ"] for n in fkl.nodes]
+    a = [n["teachers"]["t"]["alignment"] for n in rkl.informative_nodes]
+    assert a == [n["teachers"]["t"]["alignment"] for n in jsd1.informative_nodes]
+    assert a != [n["teachers"]["t"]["alignment"] for n in fkl.informative_nodes]
+    assert rkl.summary["t"]["advantage"] == fkl.summary["t"]["advantage"]
+
+
+def test_context_teacher_drives_opd_training(tok, tmp_path):
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+
+    task = ArithmeticTask(digits=1)
+    student = _model(tok, 0)
+    frozen = copy.deepcopy(student)
+    problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+    teacher = ContextTeacher.for_task(frozen, tok, task, problems, "solution")
+    config = OPDConfig(output_dir=str(tmp_path), batch_size=8, max_steps=2, learning_rate=1e-2,
+                       max_new_tokens=3, eval_every=0, eval_size=8, gate_size=4, progress=False)
+    before = [p.clone() for p in student.parameters()]
+    OPDTrainer(config, student, teacher, task, HFEngine(student, tok), tokenizer=tok).train()
+    assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters(), strict=True))
+    assert all(p.requires_grad for p in student.parameters())  # only the copy was frozen
