@@ -29,7 +29,7 @@ from .tokenizer import char_tokenizer
 __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "make_model", "pretrain", "greedy_accuracy",
            "build_pair", "BASE_RANGE", "TEACHER_MIN"]
 
-ZOO_VERSION = "1"
+ZOO_VERSION = "3"
 BASE_RANGE = (0.05, 0.40)
 TEACHER_MIN = 0.95
 
@@ -186,7 +186,10 @@ def _build(work: Path, task: Task, size: str, regime: str, seed: int, progress: 
     # The base: stop as soon as a probe says it is inside the range, then confirm on all of test.
     base = make_model(tokenizer, size, seed)
     lo, hi = BASE_RANGE
-    low_target = (lo + hi) / 4  # aim low in the range: accuracy can jump between probes
+    # Aim at the steep part of the learning curve (accuracy jumps between probes, so not at
+    # the top): from a base near 8% the teacher was 2700 SFT steps away and OPD gained nothing
+    # in hundreds of steps; from ~25–35% the teacher is near, as the paper's RL-tuned one is.
+    low_target = 0.25
     base_steps = pretrain(base, tokenizer, task, steps=max_steps, seed=seed, eval_every=25,
                           stop=lambda m: acc(m, probe) >= low_target, progress=progress, desc="base")
     base_acc = acc(base, test)
