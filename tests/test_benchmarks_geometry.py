@@ -45,7 +45,7 @@ def test_files_written(quick):
 def test_both_methods_ran_and_moved(quick):
     _, r = quick
     assert set(r["runs"]) == {"opd", "rl"}
-    assert r["runs"]["opd"]["config"]["loss"] == "reverse_kl_pg"
+    assert r["runs"]["opd"]["config"]["loss"] == "reverse_kl"
     assert r["runs"]["rl"]["config"]["loss"] == "drgrpo"
     assert r["runs"]["rl"]["config"]["num_samples"] >= 2
     for run in r["runs"].values():
