@@ -39,6 +39,9 @@ from lookahead_opd.extrapolator import ParamsSpec
 from lookahead_opd.selection import trainable, transformer_blocks
 from lookahead_opd.snapshot import SnapshotStore
 
+from .callback_support import LOG_PREFIX, check_extrapolator_options
+from .callback_support import jump_scalars as jump_logs
+
 __all__ = [
     "STATE_NAME",
     "LOG_PREFIX",
@@ -54,14 +57,12 @@ STATE_NAME = "extrapolation_state.pt"
 """File written into every ``checkpoint-<step>`` folder (``extrapolation_state-rank<r>.pt``
 per rank when the parameters are sharded DTensors)."""
 
-LOG_PREFIX = "extrapolation/"
 
 _PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
     "trainable": trainable,
     "transformer_blocks": transformer_blocks,
 }
 # Set by the callback itself, or meaningless for it.
-_RESERVED = ("params", "eval_fn", "optimizer")
 _CONTROL_FLAGS = (
     "should_training_stop",
     "should_epoch_stop",
@@ -116,30 +117,6 @@ def gate_score(
 
 
 # ---------------------------------------------------------------------- logging
-def jump_logs(record: JumpRecord, history: list[JumpRecord] | None = None) -> dict[str, float]:
-    """The scalars one search adds to the Trainer's logs, all floats (TensorBoard drops
-    ``None``): ``accepted`` is 1.0 or 0.0, ``coefficient`` the kept ``c`` (0.0 when none was);
-    with ``history`` also the running totals ``searches``, ``jumps`` and ``evals``."""
-    logs = {
-        "accepted": float(record.accepted is not None),
-        "coefficient": float(record.accepted) if record.accepted is not None else 0.0,
-        "score_before": float(record.score_before),
-        "best_score": float(record.best_score),
-        "n_evals": float(record.n_evals),
-        "seconds": float(record.seconds),
-        "direction_norm": float(record.direction_norm),
-        "step": float(record.step),
-    }
-    if history is not None:
-        logs["searches"] = float(len(history))
-        logs["jumps"] = float(sum(r.accepted is not None for r in history))
-        logs["evals"] = float(sum(r.n_evals for r in history))
-    for k, v in (record.geometry or {}).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            logs[f"geometry/{k}"] = float(v)
-    return {LOG_PREFIX + k: v for k, v in logs.items()}
-
-
 # ---------------------------------------------------------------------- helpers
 def _base_optimizer(optimizer: Any) -> Any:
     """Unwrap Accelerate's (and DeepSpeed's) ``.optimizer`` chain."""
@@ -187,25 +164,6 @@ def _calling_trainer(callback: TrainerCallback) -> tuple[Trainer | None, str | N
     finally:
         del frame
     return None, None
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    """Reject unknown or reserved Extrapolator options now, not at ``on_train_begin``."""
-    accepted = set(inspect.signature(Extrapolator.__init__).parameters) - {"self", *_RESERVED}
-    reserved = sorted(set(options) & set(_RESERVED))
-    if reserved:
-        raise TypeError(
-            f"{reserved} are set by ExtrapolationCallback itself "
-            "(the params come from params=, the optimizer from the Trainer)"
-        )
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise TypeError(f"unknown Extrapolator options {unknown}; accepted: {sorted(accepted)}")
-    # Validate the values on a one-element stand-in; snapshot settings are checked when the
-    # real extrapolator is built (a low-rank reference names the model's own parameters).
-    probe = {k: v for k, v in options.items() if k not in ("snapshot", "rank", "reference")}
-    dummy = torch.zeros(1)
-    Extrapolator([dummy], lambda: 0.0, optimizer=torch.optim.SGD([dummy], lr=0.0), **probe)
 
 
 # ---------------------------------------------------------------------- the callback
@@ -269,7 +227,7 @@ class ExtrapolationCallback(TrainerCallback):
         if gate_dataset is not None and "mode" not in options:
             base = _metric_candidates(metric, metric_key_prefix)[-1]
             options["mode"] = "min" if base.endswith("loss") else "max"
-        _check_options(options)
+        check_extrapolator_options(options)
         self.eval_fn = eval_fn
         self.gate_dataset = gate_dataset
         self.metric = metric

@@ -21,9 +21,8 @@ Under DDP every rank scores its own slice of the gate and the scores are average
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,51 +38,17 @@ from lookahead_opd.extrapolator import ParamsSpec
 from lookahead_opd.selection import trainable, transformer_blocks
 from lookahead_opd.snapshot import SnapshotStore
 
+from .callback_support import LOG_PREFIX, check_extrapolator_options, jump_scalars
+
 __all__ = ["LOG_PREFIX", "ExtrapolationCallback", "jump_scalars"]
 
 logger = logging.getLogger(__name__)
 
-LOG_PREFIX = "extrapolation/"
 
 _PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
     "trainable": trainable,
     "transformer_blocks": transformer_blocks,
 }
-_RESERVED = ("params", "eval_fn", "optimizer")
-
-
-def jump_scalars(record: JumpRecord, history: list[JumpRecord]) -> dict[str, float]:
-    """The scalars one search sends to the loggers, all floats: ``accepted`` (1.0/0.0), the
-    kept ``coefficient`` (0.0 for none), the scores, the evals, and the running totals."""
-    values = {
-        "accepted": float(record.accepted is not None),
-        "coefficient": float(record.accepted) if record.accepted is not None else 0.0,
-        "score_before": float(record.score_before),
-        "best_score": float(record.best_score),
-        "n_evals": float(record.n_evals),
-        "seconds": float(record.seconds),
-        "searches": float(len(history)),
-        "jumps": float(sum(r.accepted is not None for r in history)),
-        "evals": float(sum(r.n_evals for r in history)),
-    }
-    return {LOG_PREFIX + k: v for k, v in values.items()}
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    """Reject unknown, reserved or invalid Extrapolator options at construction."""
-    accepted = set(inspect.signature(Extrapolator.__init__).parameters) - {"self", *_RESERVED}
-    reserved = sorted(set(options) & set(_RESERVED))
-    if reserved:
-        raise TypeError(
-            f"{reserved} are set by ExtrapolationCallback itself "
-            "(the params come from params=, the optimizer from the Trainer)"
-        )
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise TypeError(f"unknown Extrapolator options {unknown}; accepted: {sorted(accepted)}")
-    probe = {k: v for k, v in options.items() if k not in ("snapshot", "rank", "reference")}
-    dummy = torch.zeros(1)
-    Extrapolator([dummy], lambda: 0.0, **probe)
 
 
 def _single_optimizer(trainer: Trainer) -> torch.optim.Optimizer | None:
@@ -136,7 +101,7 @@ class ExtrapolationCallback(Callback):
             params = _PARAM_SELECTORS[params]
         elif not callable(params):
             raise TypeError(f"params must be a str or a callable module -> params, got {params!r}")
-        _check_options(extrapolator_options)
+        check_extrapolator_options(extrapolator_options)
         self.eval_fn = eval_fn
         self.select_params = params
         self.options = dict(extrapolator_options)
