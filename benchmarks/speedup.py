@@ -49,6 +49,9 @@ BASE_LOSS = "reverse_kl"
 BASE_LR = 1e-3
 LR_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
 RETENTION_BUDGET = 0.02
+# A second, lower target (× the teacher's accuracy), reported beside the 0.9 one: at batch 64 most
+# runs do not reach 0.9 within the budget, and a speed-up needs both runs to reach the target.
+LOW_FRACTION = 0.75
 
 # Pairs of (student, teacher) built by the zoo: (task the models learn, size, teacher regime).
 PAIRS: dict[str, tuple[str, str, str]] = {
@@ -221,6 +224,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         target = results["targets"][name]
         rs.sort(key=lambda r: r["seed"])
         steps = [steps_to_target(r["evals"], target) for r in rs]
+        low = [steps_to_target(r["evals"], target * LOW_FRACTION / 0.9) for r in rs]
         secs = [None if s is None else r["train_seconds"][str(s)] for s, r in zip(steps, rs, strict=True)]
         plain_name = _plain_for(name)
         survival = []
@@ -232,6 +236,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         summary[name] = {
             "group": rs[0]["group"], "lr": rs[0]["lr"], "seeds": [r["seed"] for r in rs],
             "target": target, "steps_to_target": steps, "seconds_to_target": secs,
+            "steps_to_low_target": low,
             "final_accuracy": [r["final_accuracy"] for r in rs],
             "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"] is not None]
                                for r in rs],
@@ -276,7 +281,7 @@ def _fmt_range(xs: list[float | None], fmt: str = "{:.0f}") -> str:
 
 
 def best_lr(summary: dict[str, Any], prefix: str, baseline_retention: float | None,
-            budget: float | None) -> str | None:
+            budget: float | None, key: str = "steps_to_target") -> str | None:
     """The variant of ``prefix@x…`` with the fewest mean steps to target (all seeds reached),
     among those losing at most ``budget`` of ``baseline_retention`` when a budget is given."""
     best, best_steps = None, None
@@ -289,7 +294,7 @@ def best_lr(summary: dict[str, Any], prefix: str, baseline_retention: float | No
                 continue
             if min(s["retention"]) < baseline_retention - budget:
                 continue
-        steps = _mean(s["steps_to_target"])
+        steps = _mean(s[key])
         if steps is not None and (best_steps is None or steps < best_steps):
             best, best_steps = f"{prefix}@x{m:g}", steps
     return best
@@ -304,14 +309,15 @@ def report(results: dict[str, Any]) -> str:
         f"{m.get('cpu_model')}, {m.get('cpu_count')} cores, torch {m.get('torch')}; "
         f"{results['config']['steps']} steps per run, batch {results['config']['batch_size']} prompts "
         f"(unless the variant says otherwise), eval every {results['config']['eval_every']} steps on "
-        f"{results['config']['eval_size']} held-out problems. Target: 0.9 × the teacher's greedy "
-        "accuracy. Seconds are the run's own training clock (rollouts, scoring, updates and gate "
+        f"{results['config']['eval_size']} held-out problems. Targets: 0.9 × the teacher's greedy "
+        f"accuracy, and {LOW_FRACTION:g} × it. Seconds are the run's own training clock (rollouts, scoring, updates and gate "
         "evals; measurement evals excluded), measured while other processes shared the 2 cores, so "
         "compare them within a table, not across runs of this file. Mean [min–max] over seeds; "
         "'k/n reached' when some seeds never reached the target within the budget.",
         "",
     ]
     headers = ["variant", "lr", "steps to target", "seconds to target", "steps speed-up vs plain",
+               f"steps to {LOW_FRACTION:g}× teacher", f"speed-up at {LOW_FRACTION:g}×",
                "final acc", "jumps kept (step:c), per seed", "kept jumps still ahead 8 steps later"]
     for group in ("lr sweep", "methods", "options", "factors", "retention"):
         rows = []
@@ -319,14 +325,17 @@ def report(results: dict[str, Any]) -> str:
             if v["group"] != group:
                 continue
             plain = s.get(_plain_for(name))
-            speed = "—"
+            speed, speed_low = "—", "—"
             if plain is not None and name != _plain_for(name):
                 p, w = _mean(plain["steps_to_target"]), _mean(v["steps_to_target"])
                 speed = "—" if p is None or w is None else f"{p / w:.2f}×"
+                p, w = _mean(plain["steps_to_low_target"]), _mean(v["steps_to_low_target"])
+                speed_low = "—" if p is None or w is None else f"{p / w:.2f}×"
             jumps = "; ".join(" ".join(f"{st}:{c:g}" for st, c in js) or "none"
                               for js in v["accepted_jumps"]) if any(v["searches"]) else "—"
             rows.append([name, f"{v['lr']:g}", _fmt_range(v["steps_to_target"]),
                          _fmt_range(v["seconds_to_target"], "{:.1f}"), speed,
+                         _fmt_range(v["steps_to_low_target"]), speed_low,
                          _fmt_range(v["final_accuracy"], "{:.1%}"), jumps,
                          v["jumps_still_ahead_8_steps_later"] or "—"])
         if rows:
@@ -339,13 +348,17 @@ def report(results: dict[str, Any]) -> str:
             (f"retention budget ≤ {RETENTION_BUDGET:.0%} lost on − ", "retain-opd", "retain-effopd",
              RETENTION_BUDGET)):
         base_ret = results.get("baseline_retention")
-        bp, be = (best_lr(s, prefix_plain, base_ret, budget), best_lr(s, prefix_eff, base_ret, budget))
-        if bp is None or be is None:
-            lines.append(f"- {label}: not measurable (best plain {bp}, best EffOPD {be})")
-            continue
-        sp, se = _mean(s[bp]["steps_to_target"]), _mean(s[be]["steps_to_target"])
-        lines.append(f"- {label}: best plain {bp} ({sp:.0f} steps), best EffOPD {be} ({se:.0f} steps): "
-                     f"**{sp / se:.2f}×** fewer steps with EffOPD")
+        for key, what in (("steps_to_target", "0.9× teacher"),
+                          ("steps_to_low_target", f"{LOW_FRACTION:g}× teacher")):
+            bp = best_lr(s, prefix_plain, base_ret, budget, key)
+            be = best_lr(s, prefix_eff, base_ret, budget, key)
+            if bp is None or be is None:
+                lines.append(f"- {label}, to {what}: not measurable (no lr reached it on every "
+                             f"seed: best plain {bp}, best EffOPD {be})")
+                continue
+            sp, se = _mean(s[bp][key]), _mean(s[be][key])
+            lines.append(f"- {label}, to {what}: best plain {bp} ({sp:.0f} steps), best EffOPD "
+                         f"{be} ({se:.0f} steps): **{sp / se:.2f}×** fewer steps with EffOPD")
     if results.get("baseline_retention") is not None:
         lines.append(f"- the base's accuracy on − before distillation: {results['baseline_retention']:.1%}")
     return "\n".join(lines) + "\n"
