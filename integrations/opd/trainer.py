@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lookahead_opd import ExtrapolatingOptimizer
@@ -121,8 +122,18 @@ class OPDTrainer:
         if len(self.train_problems) < config.batch_size:
             raise ValueError(f"batch_size {config.batch_size} exceeds the {len(self.train_problems)} "
                              f"training problems of task {task.name!r}")
-        self.gate_problems = task.problems("gate", config.gate_size, seed=config.seed)
-        self.eval_problems = task.problems("test", config.eval_size, seed=config.seed)
+        # Under torch.distributed (torchrun) every rank takes its slice of each step's prompts, of
+        # the gate set and of the eval set; gradients, token counts and eval counts are summed
+        # over ranks, and the gate's scores averaged (ExtrapolatingOptimizer reduce="mean"), so
+        # every rank takes the same decision and the weights stay identical.
+        self.rank, self.world = ((dist.get_rank(), dist.get_world_size())
+                                 if dist.is_available() and dist.is_initialized() else (0, 1))
+        self.gate_problems = task.problems("gate", config.gate_size, seed=config.seed)[self.rank::self.world]
+        self.eval_problems = task.problems("test", config.eval_size, seed=config.seed)[self.rank::self.world]
+        if self.world > 1:
+            with torch.no_grad():  # start from rank 0's weights, whatever each rank loaded
+                for t in student.state_dict().values():
+                    dist.broadcast(t, 0)
 
         teacher.requires_grad_(False).eval()
         student.train()
@@ -141,7 +152,7 @@ class OPDTrainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.step = 0
         self.train_seconds = 0.0  # rollouts + scoring + updates + gate; periodic evals excluded
-        self._writers = _make_writers(config, self.output_dir)
+        self._writers = _make_writers(config, self.output_dir) if self.rank == 0 else []
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -179,7 +190,7 @@ class OPDTrainer:
         """The EffOPD gate at the current weights: accuracy, or minus the reverse KL."""
         self.engine.push_weights(self.student)  # a gate candidate is new weights too
         if self.config.gate == "accuracy":
-            return greedy_accuracy(self.engine, self.task, self.gate_problems, self.max_new_tokens)
+            return self._accuracy(self.gate_problems, across_ranks=False)  # the gate reduces
         return -self.gate_reverse_kl()
 
     def gate_reverse_kl(self) -> float:
@@ -212,10 +223,19 @@ class OPDTrainer:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
         with self._ema_weights():
             self.engine.push_weights(self.student)
-            acc = greedy_accuracy(self.engine, self.task, self.eval_problems, self.max_new_tokens)
+            acc = self._accuracy(self.eval_problems, across_ranks=True)
         if self.ema is not None:
             self.engine.push_weights(self.student)
         return acc
+
+    def _accuracy(self, problems: list[Problem], *, across_ranks: bool) -> float:
+        """Greedy exact match on this rank's ``problems``; with ``across_ranks``, of all ranks'."""
+        acc = greedy_accuracy(self.engine, self.task, problems, self.max_new_tokens)
+        if not across_ranks or self.world == 1:
+            return acc
+        counts = torch.tensor([acc * len(problems), float(len(problems))], dtype=torch.float64)
+        dist.all_reduce(counts)
+        return float(counts[0] / counts[1])
 
     @contextlib.contextmanager
     def _ema_weights(self):
@@ -239,7 +259,7 @@ class OPDTrainer:
     def _problems(self, step: int) -> list[Problem]:
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         idx = torch.randperm(len(self.train_problems), generator=g)[: self.config.batch_size]
-        return [self.train_problems[i] for i in idx.tolist()]
+        return [self.train_problems[i] for i in idx.tolist()][self.rank::self.world]
 
     def train_step(self) -> dict[str, Any]:
         """Run one optimizer step and return its metrics."""
@@ -248,7 +268,8 @@ class OPDTrainer:
         problems = self._problems(self.step)
         rollout = self.engine.generate(
             [p.prompt for p in problems], max_new_tokens=self.max_new_tokens,
-            temperature=c.temperature, top_p=c.top_p, seed=c.seed * 1_000_003 + self.step,
+            temperature=c.temperature, top_p=c.top_p,
+            seed=c.seed * 1_000_003 + self.step * self.world + self.rank,
             num_samples=c.num_samples).to(c.device)
         t_rollout = time.perf_counter() - t0
         rows_problems = [p for p in problems for _ in range(c.num_samples)]  # prompt-major rows
@@ -258,6 +279,10 @@ class OPDTrainer:
 
         t1 = time.perf_counter()
         total_tokens = int(rollout.completion_mask[:, 1:].sum())
+        if self.world > 1:  # normalise by the tokens of the whole step, all ranks
+            n = torch.tensor(total_tokens, dtype=torch.int64)
+            dist.all_reduce(n)
+            total_tokens = int(n)
         sums: dict[str, float] = {}
         rows = rollout.sequences.shape[0]
         chunk = rows // c.gradient_accumulation_steps
@@ -271,6 +296,11 @@ class OPDTrainer:
             for k, v in out.metrics.items():
                 if k != "num_tokens":
                     sums[k] = sums.get(k, 0.0) + v * n
+        if self.world > 1:
+            self._all_reduce_grads()
+            packed = torch.tensor([loss_total, *sums.values()], dtype=torch.float64)
+            dist.all_reduce(packed)
+            loss_total, sums = float(packed[0]), dict(zip(sums, packed[1:].tolist(), strict=True))
         grad_norm = None
         if c.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm))
@@ -309,6 +339,19 @@ class OPDTrainer:
             metrics["jump"] = history[-1].to_dict()
         return metrics
 
+    def _all_reduce_grads(self) -> None:
+        """Sum gradients over ranks: each rank's loss is already divided by the step's global
+        token count, so the sum is the gradient of the global per-token mean."""
+        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         seq, attn = rollout.sequences[rows], rollout.attention_mask[rows]
@@ -345,13 +388,15 @@ class OPDTrainer:
                 logger.warning("resume: no checkpoint in %s, starting from step 0", self.output_dir)
         result = TrainResult()
         metrics_path = self.output_dir / "metrics.jsonl"
-        _truncate_metrics(metrics_path, self.step)
+        if self.rank == 0:
+            _truncate_metrics(metrics_path, self.step)
         if self.step == 0:
             acc = self.evaluate()
             result.evals.append((0, acc))
             self._log({"step": 0, "eval_accuracy": acc, "train_seconds": 0.0,
                        "gate_evals_total": 0}, metrics_path, result)
-        bar = _progress(c.max_steps, self.step, c.progress, "OPD" + (" + EffOPD" if c.extrapolate else ""))
+        bar = _progress(c.max_steps, self.step, c.progress and self.rank == 0,
+                        "OPD" + (" + EffOPD" if c.extrapolate else ""))
         try:
             while self.step < c.max_steps:
                 m = self.train_step()
@@ -379,8 +424,9 @@ class OPDTrainer:
         result.metrics.append(m)
         if "jump" in m:
             result.jumps.append(m["jump"])
-        with path.open("a") as f:
-            f.write(json.dumps(m) + "\n")
+        if self.rank == 0:
+            with path.open("a") as f:
+                f.write(json.dumps(m) + "\n")
         for w in self._writers:
             w.log(m)
         for cb in self.callbacks:
@@ -388,9 +434,17 @@ class OPDTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoint-<step>`` atomically and point ``latest`` at it."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        """Write ``checkpoint-<step>`` atomically and point ``latest`` at it (rank 0 writes,
+        the weights and optimizer state being the same on every rank)."""
         final = self.output_dir / f"checkpoint-{self.step}"
+        if self.rank == 0:
+            self._write_checkpoint(final)
+        if self.world > 1:
+            dist.barrier()
+        return final
+
+    def _write_checkpoint(self, final: Path) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.output_dir / f".tmp-checkpoint-{self.step}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -421,7 +475,6 @@ class OPDTrainer:
         # Keep the newest two: the one just written and the one before it.
         for old in sorted(self.output_dir.glob("checkpoint-*"), key=_ckpt_step)[:-2]:
             shutil.rmtree(old, ignore_errors=True)
-        return final
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
         """Load ``path`` (default: the one ``latest`` names); False if there is none."""
@@ -452,7 +505,8 @@ class OPDTrainer:
         self.step = state["step"]
         self.train_seconds = state["train_seconds"]
         self.gate_evals, self.gate_seconds = state["gate_evals"], state["gate_seconds"]
-        self._gate_sequences = state["gate_sequences"]
+        # The saved gate rollouts are rank 0's slice; other ranks sample theirs again.
+        self._gate_sequences = state["gate_sequences"] if self.rank == 0 else None
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"]["torch"])
