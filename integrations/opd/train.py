@@ -4,6 +4,8 @@
         --learning_rate 1e-6 --extrapolate --gate accuracy --output_dir runs/gsm8k
 
 Every option is a field of ``OPDConfig``; ``--config run.yaml`` fills them from a file.
+Under ``torchrun --nproc-per-node N`` the ranks split each step's prompts, the gate and the
+eval set, and stay identical.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def build_trainer(config: OPDConfig):
     from .tasks import load_task
     from .trainer import OPDTrainer
 
+    _init_distributed(config)
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)  # validated: float32 | bfloat16 | float16
     task = load_task(config.task)
@@ -41,6 +44,25 @@ def build_trainer(config: OPDConfig):
     return OPDTrainer(config, student, teacher, task, engine, tokenizer=tokenizer)
 
 
+def _init_distributed(config: OPDConfig) -> None:
+    """Under ``torchrun`` (WORLD_SIZE > 1) join the process group: gloo on CPU, nccl on CUDA,
+    one device per local rank. ``OPDTrainer`` then splits the work over the ranks."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if config.device.startswith("cuda"):
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        config.device = f"cuda:{local}"
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(argv)
@@ -50,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     result = trainer.train()
     final = result.evals[-1][1] if result.evals else float("nan")
-    print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "
-          f"metrics in {config.output_dir}/metrics.jsonl")
+    if trainer.rank == 0:
+        print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "
+              f"metrics in {config.output_dir}/metrics.jsonl")
     return 0
