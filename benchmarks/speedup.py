@@ -9,7 +9,8 @@ Every run starts from the same student (the demo's base) and goes through the re
   −reverse-KL gate on 128 fixed rollouts), same sweep;
 - ``paper``: EffOPD as the paper's code runs it (linear 2k, attention/MLP only, full snapshot,
   exact-match gate on 50 problems); ``lowrank``, ``blocks``, ``acc50``, ``gate256``,
-  ``averaged``: one option of ours changed at a time;
+  ``averaged``, ``subspace`` (Δ of each matrix cut to its top-4 singular directions): one
+  option of ours changed at a time;
 - ``fixed``: ungated extrapolation (ExPO / AlphaRL style: a fixed c = 1 at steps 16, 32, 64);
 - ``ema``: plain OPD evaluated through an EMA of the weights (decay 0.9);
 - ``rl`` / ``rl+effopd``: Dr. GRPO on the exact-match reward (4 samples × 16 prompts, the
@@ -92,6 +93,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     add("acc50", "options", 2, **{**_EFFOPD, "gate": "accuracy", "gate_size": 50})
     add("gate256", "options", 2, **{**_EFFOPD, "gate_size": 256})
     add("averaged", "options", 2, **_EFFOPD, direction="averaged")
+    add("subspace", "options", 2, **_EFFOPD, direction_rank=4)
     for tag, extra in (("", {}), ("+effopd", _EFFOPD)):
         add(f"batch256{tag}", "factors", 2, batch_size=256, **extra)
         add(f"sgd{tag}", "factors", 2, optimizer="sgd", momentum=0.9, learning_rate=0.05, **extra)

@@ -534,3 +534,26 @@ def test_extrapolator_alone_from_a_raw_loop():
     assert [r is None for r in records] == [True, False, True, False]
     assert ex.names == ["weight", "bias"]
     assert records[1].accepted is not None and records[1].best_score > records[1].score_before
+
+
+def test_direction_rank_jumps_along_the_top_singular_subspace() -> None:
+    # One 6x5 matrix and a bias; the gate accepts the first candidate (c = 1) only.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 5))
+    b = torch.nn.Parameter(torch.randn(5))
+    scores = iter([0.0, 1.0, 0.5])
+    opt = ExtrapolatingOptimizer(torch.optim.SGD([w, b], lr=0.1), lambda: next(scores),
+                                 direction_rank=2, max_candidates=2)
+    w0, b0 = w.detach().clone(), b.detach().clone()
+    w.grad, b.grad = torch.randn(6, 5), torch.randn(5)
+    opt.step()  # search at step 1: W_1 + 1·Δ_r kept, c = 2 rejected
+    w1 = w0 - 0.1 * w.grad
+    b1 = b0 - 0.1 * b.grad
+    u, s, vh = torch.linalg.svd(w1 - w0)
+    expected = w1 + (u[:, :2] * s[:2]) @ vh[:2]
+    assert opt.history[0].accepted == 1.0
+    torch.testing.assert_close(w.detach(), expected)
+    torch.testing.assert_close(b.detach(), b1 + (b1 - b0))  # 1-D: the full direction
+    assert torch.linalg.matrix_rank(w.detach() - w1) == 2
+    with pytest.raises(ValueError, match="direction_rank"):
+        ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), lambda: 0.0, direction_rank=0)

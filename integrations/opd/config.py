@@ -75,6 +75,8 @@ class OPDConfig:
     snapshot: str = _opt("full", "full | lowrank")
     rank: int | None = _opt(None, "low-rank snapshot rank")
     direction: str = _opt("secant", "secant | averaged")
+    direction_rank: int | None = _opt(None, "extrapolate each 2-D weight along the top-r singular "
+                                      "subspace of its update only (None: the raw direction)")
     schedule: str = _opt("powers_of_two", "search steps: powers_of_two or comma-separated steps")
     extrapolate_params: str = _opt("all", "all | blocks (attention and MLP weights only, as the "
                                    "paper's code)")
@@ -138,6 +140,8 @@ class OPDConfig:
                 f"batch_size*num_samples ({self.batch_size * self.num_samples}) must be divisible "
                 f"by gradient_accumulation_steps ({self.gradient_accumulation_steps})"
             )
+        if self.direction_rank is not None and self.direction_rank < 1:
+            raise ValueError(f"direction_rank must be >= 1, got {self.direction_rank}")
         if self.snapshot == "lowrank" and (self.rank is None or self.rank < 1):
             raise ValueError(f"snapshot='lowrank' needs rank >= 1, got {self.rank}")
         self.coefficient_values()

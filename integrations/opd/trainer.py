@@ -173,7 +173,8 @@ class OPDTrainer:
         return ExtrapolatingOptimizer(
             base, gate, mode="max", coefficients=c.coefficient_values(),
             max_candidates=c.max_candidates, snapshot=c.snapshot, rank=c.rank,
-            direction=c.direction, min_improvement=c.min_improvement,
+            direction=c.direction, direction_rank=c.direction_rank,
+            min_improvement=c.min_improvement,
             schedule=c.schedule_value(),
             params=transformer_blocks(self.student) if c.extrapolate_params == "blocks" else None)
 

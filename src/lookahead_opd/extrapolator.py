@@ -128,6 +128,9 @@ class Extrapolator:
         offload: ``"cpu"`` keeps the anchor, the restore buffer and the running average on
             the CPU instead of the parameters' device.
         direction: ``"secant"`` (the paper) or ``"averaged"`` (window averages).
+        direction_rank: project each 2-D parameter's ``Δ`` onto its top-``r`` singular subspace
+            (truncated SVD, once per search) before extrapolating; 1-D tensors keep the full
+            ``Δ``. ``None`` (default): the raw direction.
         on_jump: ``"keep"`` the optimizer state after an accepted jump, or ``"reset"`` it for
             the jumped params (needs ``optimizer``).
         reduce: ``"mean"`` or ``"rank0"``, how scores combine across ``torch.distributed`` ranks.
@@ -150,6 +153,7 @@ class Extrapolator:
         reference: ReferenceSpec = None,
         offload: str | None = None,
         direction: str = "secant",
+        direction_rank: int | None = None,
         on_jump: str = "keep",
         optimizer: torch.optim.Optimizer | None = None,
         reduce: str = "mean",
@@ -168,6 +172,10 @@ class Extrapolator:
             raise TypeError(f"min_improvement must be a number, got {min_improvement!r}")
         if not math.isfinite(min_improvement) or min_improvement < 0:
             raise ValueError(f"min_improvement must be finite and >= 0, got {min_improvement!r}")
+        if direction_rank is not None and (
+            isinstance(direction_rank, bool) or not isinstance(direction_rank, int) or direction_rank < 1
+        ):
+            raise ValueError(f"direction_rank must be None or an int >= 1, got {direction_rank!r}")
         if on_jump == "reset" and optimizer is None:
             raise ValueError("on_jump='reset' needs the optimizer whose state to reset")
         self.eval_fn = eval_fn
@@ -178,6 +186,8 @@ class Extrapolator:
             coefficients, max_candidates, allow_zero=direction == "averaged"
         )
         self.direction = direction
+        self.direction_rank = direction_rank
+        self._projected: list[Tensor | None] | None = None  # direction_rank: Δ_r of this search
         self.on_jump = on_jump
         self.optimizer = optimizer
         self.reduce = reduce
@@ -281,6 +291,12 @@ class Extrapolator:
                 p.copy_(backup[i])
                 continue
             base = self._base(i, backup, p.device)
+            projected = None if self._projected is None else self._projected[i]
+            if projected is not None:
+                if measure:
+                    sq += float(projected.square().sum())
+                p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
+                continue
             anchor = self.store.anchor(i, p.device)
             if measure:
                 sq += float(torch.sub(base, anchor).square().sum())
@@ -306,6 +322,8 @@ class Extrapolator:
                 if self.direction == "averaged" and self._window_count <= 1:
                     # A one-step window's average is W_t itself: c = 0 would tie s0.
                     coefficients = tuple(c for c in coefficients if c != 0)
+            if coefficients and self.direction_rank is not None:
+                self._projected = self._project(backup)
             for c in coefficients:
                 norm = self._apply(c, backup, measure=not record.coefficients)
                 if not record.coefficients:
@@ -320,8 +338,10 @@ class Extrapolator:
             if record.coefficients and record.coefficients[-1] != record.accepted:
                 self._apply(record.accepted, backup)  # undo the rejected candidate exactly
         except BaseException:
+            self._projected = None
             self._apply(None, backup)
             raise
+        self._projected = None
         self._set_anchor(record.accepted is not None)
         if record.accepted is not None and self.on_jump == "reset":
             for p in self._params:
@@ -338,6 +358,22 @@ class Extrapolator:
             record.seconds,
         )
         return record
+
+    @torch.no_grad()
+    def _project(self, backup: Sequence[Tensor]) -> list[Tensor | None]:
+        """Each 2-D parameter's ``Δ`` truncated to its top ``direction_rank`` singular triplets
+        (fp32); ``None`` for the others, which keep the full ``Δ``."""
+        out: list[Tensor | None] = []
+        r = self.direction_rank
+        for i, p in enumerate(self._local()):
+            if p.dim() != 2 or min(p.shape) <= r:  # type: ignore[operator]
+                out.append(None)
+                continue
+            base = self._base(i, backup, p.device)
+            delta = base - self.store.anchor(i, p.device)
+            u, sv, vh = torch.linalg.svd(delta, full_matrices=False)
+            out.append((u[:, :r] * sv[:r]) @ vh[:r])
+        return out
 
     @torch.no_grad()
     def _set_anchor(self, accepted: bool) -> None:
