@@ -19,7 +19,7 @@ downloaded weights:
 Results are rewritten after every run (a time-out keeps what finished). ``--smoke`` runs the
 same code on CPU in a couple of minutes (tiny model, few steps).
 
-    python -m benchmarks.scale --device cuda --out benchmarks/results   # one H200: ~9 minutes
+    python -m benchmarks.scale --device cuda --out benchmarks/results   # one H200: ~5-7 minutes
     python -m benchmarks.scale --smoke --out /tmp/scale                  # CPU check of the pipeline
 """
 

@@ -266,6 +266,15 @@ def _plain_for(name: str) -> str:
     return "opd@x1"
 
 
+def _paired(plain: dict[str, Any], variant: dict[str, Any], key: str) -> tuple[float | None, float | None]:
+    """Mean of ``key`` over the seeds both runs have (a variant with fewer seeds than its plain
+    baseline is compared on those seeds only)."""
+    seeds = [s for s in variant["seeds"] if s in plain["seeds"]]
+    p = [plain[key][plain["seeds"].index(s)] for s in seeds]
+    w = [variant[key][variant["seeds"].index(s)] for s in seeds]
+    return _mean(p), _mean(w)
+
+
 def _mean(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.fmean(vals) if len(vals) == len(xs) and vals else None
@@ -329,9 +338,9 @@ def report(results: dict[str, Any]) -> str:
             plain = s.get(_plain_for(name))
             speed, speed_low = "—", "—"
             if plain is not None and name != _plain_for(name):
-                p, w = _mean(plain["steps_to_target"]), _mean(v["steps_to_target"])
+                p, w = _paired(plain, v, "steps_to_target")
                 speed = "—" if p is None or w is None else f"{p / w:.2f}×"
-                p, w = _mean(plain["steps_to_low_target"]), _mean(v["steps_to_low_target"])
+                p, w = _paired(plain, v, "steps_to_low_target")
                 speed_low = "—" if p is None or w is None else f"{p / w:.2f}×"
             jumps = "; ".join(" ".join(f"{st}:{c:g}" for st, c in js) or "none"
                               for js in v["accepted_jumps"]) if any(v["searches"]) else "—"
@@ -355,14 +364,19 @@ def report(results: dict[str, Any]) -> str:
             bp = best_lr(s, prefix_plain, base_ret, budget, key)
             be = best_lr(s, prefix_eff, base_ret, budget, key)
             if bp is None or be is None:
-                lines.append(f"- {label}, to {what}: not measurable (no lr reached it on every "
+                why = "within the budget and " if budget is not None else ""
+                lines.append(f"- {label}, to {what}: not measurable (no lr {why}reaching it on every "
                              f"seed: best plain {bp}, best EffOPD {be})")
                 continue
             sp, se = _mean(s[bp][key]), _mean(s[be][key])
             lines.append(f"- {label}, to {what}: best plain {bp} ({sp:.0f} steps), best EffOPD "
                          f"{be} ({se:.0f} steps): **{sp / se:.2f}×** fewer steps with EffOPD")
     if results.get("baseline_retention") is not None:
-        lines.append(f"- the base's accuracy on − before distillation: {results['baseline_retention']:.1%}")
+        kept = "; ".join(f"{n} {min(v['retention']):.1%}" for n, v in s.items() if v.get("retention"))
+        lines.append(f"- the base's accuracy on − before distillation: {results['baseline_retention']:.1%};"
+                     f" after distilling + (worst seed): {kept}")
+    lines += ["", "Speed-ups compare each variant with plain OPD (same pair, task and learning rate) on "
+              "the seeds both have; a variant whose gate kept no jump is plain OPD and shows 1.00×."]
     return "\n".join(lines) + "\n"
 
 
@@ -396,21 +410,27 @@ def plot(results: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
     names = [n for n, v in s.items() if n != _plain_for(n)]
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(names)), 4))
-    for i, name in enumerate(names):
-        plain = s.get(_plain_for(name))
-        if plain is None:
-            continue
-        ratios = [p / w for p, w in zip(plain["steps_to_target"], s[name]["steps_to_target"], strict=False)
-                  if p is not None and w is not None]
-        if not ratios:
-            continue
-        mean = statistics.fmean(ratios)
-        ax.bar(i, mean, color="tab:blue")
-        ax.errorbar(i, mean, yerr=[[mean - min(ratios)], [max(ratios) - mean]], color="black", capsize=3)
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(names)), 4.5))
+    for offset, key, color in ((-0.2, "steps_to_target", "tab:blue"),
+                               (0.2, "steps_to_low_target", "tab:orange")):
+        for i, name in enumerate(names):
+            plain, v = s.get(_plain_for(name)), s[name]
+            if plain is None:
+                continue
+            pairs = [(plain[key][plain["seeds"].index(sd)], v[key][v["seeds"].index(sd)])
+                     for sd in v["seeds"] if sd in plain["seeds"]]
+            ratios = [p / w for p, w in pairs if p is not None and w is not None]
+            if not ratios:
+                continue
+            mean = statistics.fmean(ratios)
+            ax.bar(i + offset, mean, width=0.4, color=color)
+            ax.errorbar(i + offset, mean, yerr=[[mean - min(ratios)], [max(ratios) - mean]],
+                        color="black", capsize=2)
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
+              ["to 0.9× teacher", f"to {LOW_FRACTION:g}× teacher"], fontsize=7)
     ax.axhline(1.0, color="gray", ls=":")
     ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("steps-to-target speed-up vs plain (min–max over seeds)")
+    ax.set_ylabel("speed-up in steps vs plain OPD\n(per-seed ratios, mean and min–max)")
     fig.tight_layout()
     fig.savefig(out / f"{STEM}_bars.png", dpi=110)
     plt.close(fig)
