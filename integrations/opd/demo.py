@@ -38,8 +38,10 @@ class DemoConfig:
     size: str = field(default="tiny", metadata={"help": "model size in the zoo"})
     teacher_regime: str = field(default="same-base", metadata={"help": "same-base | independent"})
     seed: int = field(default=0, metadata={"help": "seed of the model build and both OPD runs"})
-    max_steps: int = field(default=600, metadata={"help": "OPD steps per run"})
-    batch_size: int = field(default=64, metadata={"help": "prompts per step"})
+    # From benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher
+    # in 600 steps; at 256 both plain OPD and EffOPD did, in 330-360 steps.
+    max_steps: int = field(default=450, metadata={"help": "OPD steps per run"})
+    batch_size: int = field(default=256, metadata={"help": "prompts per step"})
     learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
     warmup_steps: int = field(default=4, metadata={"help": "linear warmup steps"})
     optimizer: str = field(default="adamw", metadata={"help": "adamw | adam | sgd"})
@@ -161,8 +163,15 @@ def format_table(results: dict[str, Any]) -> str:
     if s is None:
         lines.append("speed-up: not measurable (a run did not reach the target)")
     else:
-        verdict = "EffOPD helped" if w is not None and w > 1 else "EffOPD did not pay off here"
-        lines.append(f"speed-up (OPD / EffOPD): {s:.2f}x in steps, {w:.2f}x in wall-clock — {verdict}")
+        every = results["config"]["eval_every"]
+        if w is not None and s > 1.1 and w > 1.1:
+            verdict = "EffOPD was faster on this seed"
+        elif w is not None and (s < 0.9 or w < 0.9):
+            verdict = "EffOPD was slower on this seed"
+        else:
+            verdict = (f"no clear difference (one seed, accuracy measured every {every} steps; "
+                       "benchmarks/results/speedup.md has several)")
+        lines.append(f"speed-up (OPD / EffOPD): {s:.2f}x in steps, {w:.2f}x in wall-clock: {verdict}")
     return "\n".join(lines)
 
 
