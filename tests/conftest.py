@@ -70,3 +70,19 @@ def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @pytest.fixture
 def least_squares() -> LeastSquares:
     return LeastSquares()
+
+
+def tiny_qwen2(vocab_size: int, seed: int = 0, *, tokenizer=None, max_position_embeddings: int = 64):
+    """The tests' tiny causal LM: a 2-layer Qwen2 (hidden 32, 4 heads, 2 KV heads), untied,
+    seeded; with ``tokenizer``, its pad/bos/eos ids go into the config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    special = {} if tokenizer is None else dict(
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings,
+                         tie_word_embeddings=False, **special)
+    return Qwen2ForCausalLM(config).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import tiny_qwen2
 
 
 def opd_worker(rank: int, out_dir: str, extrapolate: bool) -> dict:
@@ -10,17 +11,10 @@ def opd_worker(rank: int, out_dir: str, extrapolate: bool) -> dict:
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import ArithmeticTask
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     tokenizer = char_tokenizer()
 
-    def model(seed: int) -> Qwen2ForCausalLM:
-        torch.manual_seed(seed)
-        return Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)).float()
+    def model(seed: int):
+        return tiny_qwen2(len(tokenizer), seed, tokenizer=tokenizer)
 
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
 

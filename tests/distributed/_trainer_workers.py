@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from conftest import tiny_qwen2
 from torch import nn
 
 WORLD_SIZE = 2
@@ -40,19 +41,7 @@ class Counting(torch.utils.data.Dataset):
 
 
 def make_model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return Qwen2ForCausalLM(config)
+    return tiny_qwen2(VOCAB, 0, max_position_embeddings=32)
 
 
 def slice_loss(model: nn.Module, ids: torch.Tensor) -> float:

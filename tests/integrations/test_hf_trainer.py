@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +20,6 @@ from lookahead_opd.integrations.hf_trainer import (  # noqa: E402
     gate_score,
 )
 from transformers import (  # noqa: E402
-    Qwen2Config,
     Qwen2ForCausalLM,
     Trainer,
     TrainerCallback,
@@ -51,17 +51,7 @@ class Counting(torch.utils.data.Dataset):
 
 
 def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return Qwen2ForCausalLM(config)
+    return tiny_qwen2(VOCAB, seed, max_position_embeddings=32)
 
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 
@@ -15,18 +16,11 @@ from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2ForCausalLM  # noqa: E402
 
 
 def _model(tokenizer, seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    return Qwen2ForCausalLM(config).float()
+    return tiny_qwen2(len(tokenizer), seed, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -35,7 +36,6 @@ from lookahead_opd.integrations.hf_trainer import (  # noqa: E402
     ExtrapolationCallback,
     add_extrapolation,
 )
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 
 def _char_tokenizer():
@@ -47,20 +47,7 @@ def _char_tokenizer():
 
 
 def _char_model(tok, seed: int):
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    return Qwen2ForCausalLM(config)
+    return tiny_qwen2(len(tok), seed, tokenizer=tok)
 
 
 def _count_generate(model) -> list[int]:

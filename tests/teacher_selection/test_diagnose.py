@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 
@@ -19,7 +20,7 @@ from lookahead_opd.integrations.teacher_selection import (  # noqa: E402
     diagnose,
     min_budget,
 )
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from lookahead_opd.cli import main as cli_main  # noqa: E402
 
@@ -47,14 +48,7 @@ class EmptyTask(Task):
 
 
 def _model(tokenizer, seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    return Qwen2ForCausalLM(config).float().eval()
+    return tiny_qwen2(len(tokenizer), seed, tokenizer=tokenizer).eval()
 
 
 class Tilted(torch.nn.Module):
