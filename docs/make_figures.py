@@ -54,7 +54,7 @@ def main(out: str = "docs/img/search.png") -> None:
     ax.annotate("", xy=w_t.tolist(), xytext=anchor.tolist(),
                 arrowprops=dict(arrowstyle="->", color="black"))
     ax.text(*(anchor + 0.5 * delta + torch.tensor([0.0, 0.08])).tolist(), "Δ", ha="center")
-    for c, s in zip(rec.coefficients, rec.scores, strict=True):
+    for c in rec.coefficients:
         p = w_t + c * delta
         ok = rec.accepted is not None and c <= rec.accepted
         ax.plot(*p.tolist(), "o" if ok else "x", color="tab:green" if ok else "tab:red", ms=8)
