@@ -18,7 +18,8 @@ Every run starts from the same student (the demo's base) and goes through the re
   foresight is specific to OPD;
 - ``paper-loss``: the paper's sampled-token reverse-KL policy gradient instead of our default
   full-vocabulary reverse KL, plain and with the paper's EffOPD;
-- factors: batch 256, SGD with momentum, an independently trained teacher;
+- factors: batch 256, SGD with momentum, an independently trained teacher, a 7.9× larger model
+  (zoo ``small``: 0.99M parameters, 4 layers, hidden 128);
 - ``retain-*``: the base is trained on + and −, only + is distilled; each method's best
   learning rate is picked with and without a retention budget (≤ 2 points lost on −).
 
@@ -58,6 +59,7 @@ LOW_FRACTION = 0.75
 PAIRS: dict[str, tuple[str, str, str]] = {
     "same-base": ("arithmetic", "tiny", "same-base"),
     "independent": ("arithmetic", "tiny", "independent"),
+    "small": ("arithmetic", "small", "same-base"),
     "multiop": ("arithmetic:ops=+-", "tiny", "same-base"),
 }
 
@@ -98,6 +100,7 @@ def _variants() -> dict[str, dict[str, Any]]:
         add(f"batch256{tag}", "factors", 2, batch_size=256, **extra)
         add(f"sgd{tag}", "factors", 2, optimizer="sgd", momentum=0.9, learning_rate=0.05, **extra)
         add(f"independent{tag}", "factors", 2, pair="independent", **extra)
+        add(f"small{tag}", "factors", 2, pair="small", **extra)
     for m in LR_MULTIPLIERS:
         add(f"retain-opd@x{m:g}", "retention", 2, pair="multiop", task="arithmetic:ops=+",
             learning_rate=BASE_LR * m)
@@ -260,7 +263,7 @@ def _plain_for(name: str) -> str:
         return "rl"
     if name.startswith("paper-loss"):
         return "paper-loss"
-    for prefix in ("batch256", "sgd", "independent"):
+    for prefix in ("batch256", "sgd", "independent", "small"):
         if name.startswith(prefix):
             return prefix
     return "opd@x1"
