@@ -57,6 +57,10 @@ def _entry(rank: int, worker, tmp: str, args: tuple) -> None:
             result = worker(rank, *args)
         result["warnings"] = [(w.category.__name__, str(w.message)) for w in caught]
         torch.save(result, f"{tmp}/rank{rank}.pt")
+        # Both ranks finished every collective before either tears gloo down: destroying the
+        # group while the other rank still talks to it can abort the process (seen once in CI:
+        # "terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
