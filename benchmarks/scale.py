@@ -61,9 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gate-size", type=int, default=256, help="neg_kl gate set size")
     p.add_argument("--eval-size", type=int, default=512)
     p.add_argument("--eval-every", type=int, default=8)
-    p.add_argument("--paper-variant", action="store_true", default=True,
-                   help="also run the paper's EffOPD (accuracy gate on 50, linear 2k) at the first lr")
-    p.add_argument("--no-paper-variant", dest="paper_variant", action="store_false")
+    p.add_argument("--no-paper-variant", dest="paper_variant", action="store_false",
+                   help="skip the paper's EffOPD (accuracy gate on 50, linear 2k) at the first lr")
     p.add_argument("--time-budget", type=float, default=440.0,
                    help="seconds for the whole script; runs that would not fit are skipped")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU: checks the pipeline")

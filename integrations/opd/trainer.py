@@ -299,9 +299,13 @@ class OPDTrainer:
                     sums[k] = sums.get(k, 0.0) + v * n
         if self.world > 1:
             self._all_reduce_grads()
-            packed = torch.tensor([loss_total, *sums.values()], dtype=torch.float64)
+            packed = torch.tensor([loss_total, float(rewards.sum()), float(rewards.numel()),
+                                   *sums.values()], dtype=torch.float64)
             dist.all_reduce(packed)
-            loss_total, sums = float(packed[0]), dict(zip(sums, packed[1:].tolist(), strict=True))
+            loss_total, sums = float(packed[0]), dict(zip(sums, packed[3:].tolist(), strict=True))
+            mean_reward = float(packed[1] / packed[2])
+        else:
+            mean_reward = float(rewards.mean())
         grad_norm = None
         if c.max_grad_norm is not None:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm))
@@ -324,7 +328,7 @@ class OPDTrainer:
             "loss": loss_total,
             **{k: v / max(total_tokens, 1) for k, v in sums.items()},
             "num_tokens": total_tokens,
-            "reward": float(rewards.mean()),
+            "reward": mean_reward,
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
             "rollout_tokens_per_s": total_tokens / t_rollout if t_rollout > 0 else None,

@@ -94,13 +94,13 @@ def _sft_batch(tokenizer: Any, problems: list[Problem], task: Task) -> tuple[tor
 
 def greedy_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,
                     batch_size: int = 512, max_new_tokens: int | None = None) -> float:
-    """Exact-match accuracy of greedy completions (batched, left-padded ``generate``)."""
+    """Exact-match accuracy of ``model``'s greedy completions (``trainer.greedy_accuracy``
+    through an ``HFEngine`` over the module)."""
+    from . import trainer
     from .engines import HFEngine
 
-    engine = HFEngine(model, tokenizer, batch_size=batch_size)
-    rollout = engine.generate([p.prompt for p in problems], temperature=0.0,
-                              max_new_tokens=max_new_tokens or task.max_new_tokens)
-    return sum(task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)) / len(problems)
+    return trainer.greedy_accuracy(HFEngine(model, tokenizer, batch_size=batch_size), task, problems,
+                                   max_new_tokens or task.max_new_tokens)
 
 
 def pretrain(model: nn.Module, tokenizer: Any, task: Task, *, steps: int, batch_size: int = 128,
