@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from lookahead_opd.selection import transformer_blocks
 
 from .losses import LOSSES
 
-__all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "with_defaults"]
+__all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "with_defaults"]
 
 _ENGINES = ("hf", "vllm")
 _OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -187,8 +188,6 @@ def _check_model_ref(role: str, ref: str) -> None:
 
 def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
     """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win)."""
-    from transformers import HfArgumentParser
-
     args = list(argv or [])
     base: dict[str, Any] = {}
     if "--config" in args:
@@ -197,11 +196,29 @@ def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
             raise ValueError("--config needs a file path")
         base = _read_config_file(args[i + 1])
         del args[i : i + 2]
-    parser = HfArgumentParser(OPDConfig, prog="lookahead-opd train")
-    defaults = OPDConfig(**base)
-    parser.set_defaults(**dataclasses.asdict(defaults))
-    (config,) = parser.parse_args_into_dataclasses(args=args)
-    return config
+    return parse_dataclass(OPDConfig, args, prog="lookahead-opd train",
+                           defaults=dataclasses.asdict(OPDConfig(**base)))
+
+
+def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
+                    defaults: dict[str, Any] | None = None) -> Any:
+    """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
+    field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
+    fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
+    checked by the config itself, with its own messages."""
+    from transformers import HfArgumentParser
+
+    hints = typing.get_type_hints(cls)
+    plain = dataclasses.make_dataclass(cls.__name__, [
+        (f.name, hints[f.name], dataclasses.field(
+            default=f.default, default_factory=f.default_factory,
+            metadata={"help": f.metadata.get("help", "")}))
+        for f in dataclasses.fields(cls)])
+    parser = HfArgumentParser(plain, prog=prog)
+    if defaults:
+        parser.set_defaults(**defaults)
+    (parsed,) = parser.parse_args_into_dataclasses(args=list(args))
+    return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls)})
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

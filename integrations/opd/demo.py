@@ -26,7 +26,7 @@ from typing import Any
 
 from lookahead_opd.options import check_choice, option
 
-from .config import OPDConfig, with_defaults
+from .config import OPDConfig, parse_dataclass, with_defaults
 from .zoo import TEACHER_REGIMES
 
 __all__ = ["DemoConfig", "run_demo", "main", "format_table"]
@@ -192,10 +192,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers import HfArgumentParser
-
-    (cfg,) = HfArgumentParser(DemoConfig, prog="lookahead-opd demo").parse_args_into_dataclasses(
-        args=list(argv or []))
+    cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
     results = run_demo(cfg)
     print(format_table(results))
     print(f"\nwrote {Path(cfg.output_dir) / 'results.json'} and accuracy_vs_step.png")

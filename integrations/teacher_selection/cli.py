@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lookahead_opd.integrations.opd.config import DTYPES
+from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
 
 from lookahead_opd.options import check_choice, option
 
@@ -111,12 +111,8 @@ def _merge_repeated(args: list[str], flag: str) -> list[str]:
 
 def parse_config(argv: Sequence[str] | None = None) -> DiagnoseConfig:
     """Build a ``DiagnoseConfig`` from command-line flags."""
-    from transformers import HfArgumentParser
-
     args = _merge_repeated(list(argv or []), "--teacher")
-    parser = HfArgumentParser(DiagnoseConfig, prog="lookahead-opd diagnose")
-    (config,) = parser.parse_args_into_dataclasses(args=args)
-    return config
+    return parse_dataclass(DiagnoseConfig, args, prog="lookahead-opd diagnose")
 
 
 def run(config: DiagnoseConfig):
