@@ -58,7 +58,8 @@ class OPDConfig(EffOPDOptions):
     teacher: str = option("", "teacher: a Hugging Face causal LM id or local directory")
     task: str = option(
         "arithmetic",
-        "task spec: arithmetic[:key=value,...], gsm8k:path=FILE|name=HUB_ID, or module:Class",
+        "task spec: arithmetic[:key=value,...], longadd[:digits=4], gsm8k:path=FILE|name=HUB_ID, "
+        "or module:Class",
     )
     output_dir: str = option("runs/opd", "where checkpoints, metrics.jsonl and plots go")
     # rollouts
