@@ -567,7 +567,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
     bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
     out: dict[str, Any] = {"cell": cell_name, **{k: cell[k] for k in ("level", "prompts", "teacher",
                                                                          "optimizer", "kind")}}
-    if bt is None:
+    if bt is None or not any(r["cell"] == cell_name for r in results["runs"].values()):
         return {**out, "status": "not run"}
     out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
                gain_se=bt["gain_se"], eval_n=bt["eval_n"])
@@ -791,7 +791,8 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     import numpy as np
 
     s = results["summary"]
-    levels = list(dict.fromkeys(c["level"] for c in s.values()))
+    levels = sorted(dict.fromkeys(c["level"] for c in s.values()),
+                    key=lambda lv: list(LEVELS).index(lv) if lv in LEVELS else len(LEVELS))
     rows = list(dict.fromkeys(f"{c['teacher']}/{c['optimizer']}" for c in s.values()))
     grid = np.full((len(rows), len(levels)), np.nan)
     fig, ax = plt.subplots(figsize=(2.6 * len(levels) + 2, 1.1 * len(rows) + 1.5))
