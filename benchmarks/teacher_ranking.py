@@ -161,7 +161,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
                      max_new: int) -> float:
     """Greedy exact match by repeated full forwards (works for ``ContextTeacher`` too)."""
     from lookahead_opd.integrations.opd.engines import tokenize_prompts
-    from lookahead_opd.integrations.opd.trainer import sequence_logits
+    from lookahead_opd.integrations.opd.scoring import sequence_logits
 
     rows = tokenize_prompts(tok, [p.prompt for p in problems])
     done = [False] * len(rows)

@@ -120,8 +120,8 @@ def run(config: DiagnoseConfig):
     config.validate()
     import torch
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.losses import check_vocab_compatible
     from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .diagnose import diagnose

@@ -20,9 +20,9 @@ from typing import Any, Union
 
 import torch
 from lookahead_opd.integrations.opd.engines import Engine, HFEngine, tokenize_prompts
-from lookahead_opd.integrations.opd.losses import align_vocab, check_vocab_compatible
+from lookahead_opd.integrations.opd.scoring import sequence_logits
 from lookahead_opd.integrations.opd.tasks import Problem, Task
-from lookahead_opd.integrations.opd.trainer import sequence_logits
+from lookahead_opd.integrations.opd.vocab import align_vocab, check_vocab_compatible
 from torch import nn
 
 from . import scores
