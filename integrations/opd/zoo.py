@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lookahead_opd.options import check_choice
+
 from .tasks import SPLITS, Problem, Task, load_task
 from .tokenizer import char_tokenizer
 
@@ -272,9 +274,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
     (base range, teacher accuracy, the ``rl`` acceptance rule) is kept, the failures listed in
     ``meta["failed_checks"]``, instead of raising ``RuntimeError`` (tests on tiny budgets).
     """
-    if teacher_regime not in TEACHER_REGIMES:
-        raise ValueError(f"teacher_regime must be one of {', '.join(TEACHER_REGIMES)}; "
-                         f"got {teacher_regime!r}")
+    check_choice("teacher_regime", teacher_regime, TEACHER_REGIMES)
     if size not in ZOO_SIZES:
         raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
     if max_steps < 1:
