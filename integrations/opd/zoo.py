@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -47,7 +48,10 @@ __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "context_length", "make_model",
            "build_pair", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
            "TEACHER_MIN", "RL_BASE_RANGE", "RL_MIN_GAIN", "RL_MAX_DISTANCE_RATIO", "RL_SETTINGS"]
 
+logger = logging.getLogger(__name__)
+
 ZOO_VERSION = "3"
+# How the teacher is made (see the module doc).
 TEACHER_REGIMES = ("same-base", "independent", "rl", "retention")
 BASE_RANGE = (0.05, 0.40)
 SFT_BASE_TARGET = 0.25  # probe accuracy that stops the base (see _Builder.base)
@@ -364,6 +368,7 @@ class _Builder:
         steps = pretrain(model, self.tokenizer, task, steps=self.max_steps, seed=seed, stop=stop,
                          eval_every=eval_every, progress=self.progress, desc=phase)
         self.seconds[phase] = time.perf_counter() - t
+        logger.info("zoo %s: %d steps, %.0f s", phase, steps, self.seconds[phase])
         return steps
 
     def save(self, model: nn.Module, role: str) -> None:
@@ -435,6 +440,9 @@ class _Builder:
                                                   phase=f"sft-reference-{method}")
             distance, ref_distance = weight_distance(teacher, base), weight_distance(reference, base)
             rejections = rl_rejections(base_acc, teacher_acc, distance, ref_distance)
+            logger.info("zoo rl %s: accuracy %.3f (base %.3f), ‖T−B‖/‖B‖ %.4f vs SFT %.4f at %.3f; "
+                        "rejections: %s", method, teacher_acc, base_acc, distance, ref_distance,
+                        ref_acc, rejections or "none")
             attempts.append({"method": method, "steps": steps, "accuracy": teacher_acc,
                              "distance": distance, "rejections": rejections,
                              "sft_reference": {"accuracy": ref_acc, "distance": ref_distance,
