@@ -60,7 +60,7 @@ class DiagnoseConfig:
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
         from lookahead_opd.integrations.opd.config import _check_model_ref
-        from lookahead_opd.integrations.opd.tasks import load_task
+        from lookahead_opd.integrations.opd.tasks import SPLITS, load_task
 
         from .diagnose import check_options
         from .teachers import parse_teacher_spec
@@ -81,9 +81,8 @@ class DiagnoseConfig:
             raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
         specs = [parse_teacher_spec(t) for t in self.teacher]
         task = load_task(self.task)
-        pool = task.all_problems(self.split) if self.split in ("train", "gate", "test") else None
-        if pool is None:
-            raise ValueError(f"split must be train, gate or test; got {self.split!r}")
+        check_choice("split", self.split, SPLITS)
+        pool = task.all_problems(self.split)
         if not pool:
             raise ValueError(
                 f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
@@ -121,8 +120,8 @@ def run(config: DiagnoseConfig):
     config.validate()
     import torch
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.losses import check_vocab_compatible
     from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .diagnose import diagnose
