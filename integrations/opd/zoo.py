@@ -387,16 +387,24 @@ class _Builder:
                            stop=lambda m: self.acc(m, self.task, probe) >= target)
         return model, steps
 
+    def student(self, target: float, accuracy_range: tuple[float, float], what: str,
+                hint: str = "") -> tuple[nn.Module, int, float]:
+        """The base trained to ``target`` (``base``), checked to land in ``accuracy_range``
+        and saved as the pair's student: (model, steps, accuracy)."""
+        base, steps = self.base(target)
+        acc = self.acc(base, self.task)
+        lo, hi = accuracy_range
+        self.check(lo <= acc <= hi, f"{what} accuracy {acc:.1%} after {steps} steps is outside "
+                   f"[{lo:.0%}, {hi:.0%}]{hint}")
+        self.save(base, "student")
+        return base, steps, acc
+
     # ------------------------------------------------------------------ regimes
     def sft(self, regime: str) -> dict[str, Any]:
         """``same-base``: the base trained further on gold text; ``independent``: a separately
         initialised model trained to the same bar."""
-        base, base_steps = self.base(SFT_BASE_TARGET)
-        base_acc = self.acc(base, self.task)
-        lo, hi = BASE_RANGE
-        self.check(lo <= base_acc <= hi, f"base accuracy {base_acc:.1%} after {base_steps} steps "
-                   f"is outside [{lo:.0%}, {hi:.0%}]; try another seed or size")
-        self.save(base, "student")
+        base, base_steps, base_acc = self.student(SFT_BASE_TARGET, BASE_RANGE, "base",
+                                                  "; try another seed or size")
         if regime == "same-base":
             teacher, teacher_seed = base, self.seed + 1  # fresh data order, the base's weights
             base = copy.deepcopy(base)
@@ -424,12 +432,7 @@ class _Builder:
         """The base (≥35%) plus Dr. GRPO on the task's reward; rejection-sampling fine-tuning
         on the base's own correct samples when Dr. GRPO fails the rule (``rl_rejections``).
         Each candidate is measured against an SFT teacher of equal accuracy."""
-        base, base_steps = self.base(RL_BASE_TARGET)
-        base_acc = self.acc(base, self.task)
-        lo, hi = RL_BASE_RANGE
-        self.check(lo <= base_acc <= hi, f"rl base accuracy {base_acc:.1%} after {base_steps} "
-                   f"steps is outside [{lo:.0%}, {hi:.0%}]")
-        self.save(base, "student")
+        base, base_steps, base_acc = self.student(RL_BASE_TARGET, RL_BASE_RANGE, "rl base")
         target = min(base_acc + RL_TARGET_GAIN, 0.99)
         attempts: list[dict[str, Any]] = []
         for method in ("drgrpo", "rft"):
