@@ -368,7 +368,7 @@ def _task(spec: str) -> Any:
 def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     """An ``OPDTrainer`` whose EffOPD gate scores −∞ (below every −reverse KL; the issue's −1
     for an accuracy gate) when the held-out operation's accuracy falls under ``floor``."""
-    from lookahead_opd.integrations.opd.trainer import greedy_accuracy
+    from lookahead_opd.integrations.opd.scoring import greedy_accuracy
 
     class RetentionGatedTrainer(trainer_cls):
         def gate_score(self) -> float:
