@@ -61,13 +61,13 @@ TASKS = {"short": "arithmetic", "long": "longadd"}
 # level -> (task key, prompts per step)
 LEVELS = {"short-32": ("short", 32), "short-512": ("short", 512), "long-128": ("long", 128)}
 # teacher key -> zoo teacher_regime
-TEACHERS = {"sft": "same-base", "rl": "rl"}
+TEACHERS = {"sft": "same-base", "rl": "rl", "retention": "retention"}
 ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 SGD_LRS = (0.025, 0.05, 0.1)
 SGD_MOMENTUM = 0.9
-# The retention pair: a base competent on + and −, distilled on + only, − measured.
-RETENTION = {"pair_task": "arithmetic:ops=+-", "regime": "retention", "task": "arithmetic:ops=+",
-             "held_out": "arithmetic:ops=-"}
+# The retention pair (zoo regime ``retention``): a base competent on + and on the steep part of
+# −, a teacher SFT'd on the mix; − is distilled, + is measured.
+RETENTION = {"task": "arithmetic:ops=-", "held_out": "arithmetic:ops=+"}
 
 
 def _cells() -> dict[str, dict[str, Any]]:
@@ -79,7 +79,8 @@ def _cells() -> dict[str, dict[str, Any]]:
             kind: str = "main", stage2: str = "two-best") -> None:
         task_key, prompts = LEVELS[level]
         name = f"{level}/{teacher}/{optimizer}"
-        cells[name] = {"level": level, "task": TASKS[task_key], "prompts": prompts,
+        task = RETENTION["task"] if kind == "retention" else TASKS[task_key]
+        cells[name] = {"level": level, "task": task, "prompts": prompts,
                        "teacher": teacher, "optimizer": optimizer, "lrs": list(lrs),
                        "kind": kind, "stage2": stage2}
 
@@ -115,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid", choices=("cpu", "gpu"), default=None,
                    help="the staged CPU grid, or the GPU study (default: gpu on a cuda device)")
     p.add_argument("--gpu-prompts", default="4096,1024", help="GPU grid: prompts per step levels")
-    p.add_argument("--gpu-teacher", default="rl", choices=tuple(TEACHERS), help="GPU grid: teacher")
+    p.add_argument("--gpu-teacher", default="rl", choices=("sft", "rl"), help="GPU grid: teacher")
     p.add_argument("--long-task", default=TASKS["long"], help="task spec of the long task")
     p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
                    help="start no run after this many seconds (the json stays resumable)")
@@ -184,11 +185,10 @@ class Models:
             from lookahead_opd.integrations.opd.zoo import build_pair
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            regime = RETENTION["regime"] if teacher == "retention" else TEACHERS[teacher]
-            pair_task = RETENTION["pair_task"] if teacher == "retention" else task_spec
+            extra = {"retain": [RETENTION["held_out"]]} if teacher == "retention" else {}
             try:
-                pair = build_pair(self.a.cache_dir, task_spec=pair_task, size=self.a.size,
-                                  teacher_regime=regime, progress=True)
+                pair = build_pair(self.a.cache_dir, task_spec=task_spec, size=self.a.size,
+                                  teacher_regime=TEACHERS[teacher], progress=True, **extra)
             except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
                 self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
                 return self._pairs[key]
