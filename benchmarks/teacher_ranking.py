@@ -63,7 +63,7 @@ FULL = dict(
     # analysis
     resamples=2000)
 QUICK = dict(
-    path_steps=(2, 4), sharpen=10.0, minus_steps=4, zeropad_max_steps=4, teacher_min=0.0,
+    path_steps=(2, 4, 6), sharpen=10.0, minus_steps=4, zeropad_max_steps=4, teacher_min=0.0,
     quick_build=dict(base_steps=20, teacher_steps=10),
     questions=6, samples_per_question=2, budget=400, top_k=3, continuations=4,
     diagnostic_seeds=(0, 1),

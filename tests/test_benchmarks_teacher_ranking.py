@@ -22,7 +22,9 @@ def test_quick_run_writes_the_analysis_and_resumes(tmp_path, monkeypatch):
     assert tr.main(["--quick", "--output_dir", str(out)]) == 0  # resumes: the rest only
     d = json.loads((out / "teacher_ranking_quick.json").read_text())
     names = d["teachers"]
-    assert len(names) >= 10 and {"sharp", "zeropad", "independent", "copy"} <= set(names)
+    assert names == ["teacher", *(f"path-{n}" for n in tr.QUICK["path_steps"]), "independent",
+                     "sharp", "zeropad", "minus", "self:solution", "copy"]
+    assert len(tr.FULL["path_steps"]) == len(tr.QUICK["path_steps"])  # 10 teachers in both
     assert d["runs"][:3] == first["runs"]
     assert len(d["runs"]) == len(names) * len(tr.QUICK["opd_seeds"])
     assert len({(r["teacher"], r["seed"]) for r in d["runs"]}) == len(d["runs"])
