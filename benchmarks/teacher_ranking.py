@@ -329,6 +329,8 @@ def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> 
     def save() -> None:
         clean = json.loads(json.dumps(data, default=float))
         write_results(out_dir, stem, clean, _markdown(clean))
+        if clean.get("analysis"):
+            _plot(clean, Path(out_dir) / PLOT)
 
     if not data:
         probe = task.problems("test", c["eval_size"], seed=seed + 1)
@@ -631,7 +633,7 @@ def _markdown(d: dict[str, Any]) -> str:
             markdown_table(["score", "ρ difference", "95% interval", "share of resamples ≤ 0",
                             "verdict"],
                            [[s, _fmt(p["difference"], 2), _ci(p["ci"]),
-                             _fmt(p["p_le_0"], 3),
+                             "—" if p["p_le_0"] is None else f"{p['p_le_0']:.3f}",
                              "beats" if p["beats"] else "loses" if p["loses"]
                              else "no difference shown"] for s, p in a["paired"].items()]), ""]
         co = a["cost"]
@@ -642,11 +644,49 @@ def _markdown(d: dict[str, Any]) -> str:
             f"training time of the OPD runs it replaces (one per teacher, "
             f"{co['opd_train_seconds']:.0f} s; {co['fraction_of_wall']:.3f} of their wall-clock "
             "with evaluation).", ""]
+    if sc:
+        lines += [f"![gain against alignment and against teacher accuracy]({PLOT})", ""]
     runs = d["runs"]
-    lines += [f"{len(runs)} OPD runs recorded; per-run numbers in the JSON.", "",
+    lines += [f"{len(runs)} OPD runs recorded; per-run numbers in the JSON. Command: "
+              f"`python benchmarks/teacher_ranking.py{' --quick' if d['quick'] else ''}` "
+              "(rerun it to resume).", "",
               f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch thread(s), shared "
               f"with other jobs; torch {m['torch']}; commit {m['git_commit']}."]
     return "\n".join(lines)
+
+
+PLOT = "teacher_ranking.png"
+
+
+def _plot(d: dict[str, Any], path: Path) -> None:
+    """Mean gain (± s.e.m.) against alignment and against teacher accuracy, one point per
+    teacher: where the two panels differ is what the diagnostic adds."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = d["analysis"]
+    names = a["teachers"]
+    gain = [a["gain"][n]["mean"] for n in names]
+    err = [a["gain"][n]["sem"] or 0.0 for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, score in zip(axes, ("alignment", ACCURACY), strict=True):
+        x = [a["scores"][score]["values"][n] for n in names]
+        ax.errorbar(x, gain, yerr=err, fmt="o", capsize=3)
+        for xi, yi, n in zip(x, gain, names, strict=True):
+            ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        v = a["scores"][score]
+        ax.set_xlabel(f"{score} (ρ = {v['rho']:+.2f}, 95% {_ci(v['rho_ci'])})")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
+    fig.suptitle("Realised OPD gain per teacher: the diagnostic vs the teacher's own accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
