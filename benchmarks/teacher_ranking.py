@@ -21,7 +21,7 @@ diagnostic run, is in ``docs/diagnostic.md`` → "The ranking protocol"):
    teachers and seeds; the regret of picking each score's top teacher; a paired bootstrap of
    ρ(diagnostic) − ρ(teacher accuracy); the diagnostic's cost as a fraction of the OPD runs.
 
-    python benchmarks/teacher_ranking.py            # the committed results (~1 h on one thread)
+    python benchmarks/teacher_ranking.py            # the committed results (~40 min, one thread)
     python benchmarks/teacher_ranking.py --quick    # smoke test (~1 min), results not committed
 
 Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
