@@ -21,8 +21,8 @@ diagnostic run, is in ``docs/diagnostic.md`` → "The ranking protocol"):
    teachers and seeds; the regret of picking each score's top teacher; a paired bootstrap of
    ρ(diagnostic) − ρ(teacher accuracy); the diagnostic's cost as a fraction of the OPD runs.
 
-    python benchmarks/teacher_ranking.py            # the committed results (~40 min, one thread)
-    python benchmarks/teacher_ranking.py --quick    # smoke test (~1 min), results not committed
+    python -m benchmarks.teacher_ranking            # the committed results (~40 min, one thread)
+    python -m benchmarks.teacher_ranking --quick    # smoke test (~1 min), results not committed
 
 Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
 ``--quick``). Teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
@@ -46,9 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import machine_info, markdown_table, write_results  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, write_results
 
 FULL = dict(
     # teachers
@@ -243,7 +241,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
                      max_new: int) -> float:
     """Greedy exact match by repeated full forwards (works for ``ContextTeacher`` too)."""
     from lookahead_opd.integrations.opd.engines import tokenize_prompts
-    from lookahead_opd.integrations.opd.trainer import sequence_logits
+    from lookahead_opd.integrations.opd.scoring import sequence_logits
 
     rows = tokenize_prompts(tok, [p.prompt for p in problems])
     done = [False] * len(rows)
@@ -292,7 +290,7 @@ def _diagnostic_scores(report: Any, names: list[str]) -> dict[str, list[float | 
 def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> dict[str, Any]:
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
     from tqdm.auto import tqdm
@@ -315,7 +313,7 @@ def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> 
     t0 = time.perf_counter()
     student_path, paths, built = build_teachers(c, seed)
     tok = AutoTokenizer.from_pretrained(student_path)
-    all_problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
     names = list(paths)
 
     def make_teacher(name: str, student: torch.nn.Module) -> torch.nn.Module:
@@ -648,7 +646,7 @@ def _markdown(d: dict[str, Any]) -> str:
         lines += [f"![gain against alignment and against teacher accuracy]({PLOT})", ""]
     runs = d["runs"]
     lines += [f"{len(runs)} OPD runs recorded; per-run numbers in the JSON. Command: "
-              f"`python benchmarks/teacher_ranking.py{' --quick' if d['quick'] else ''}` "
+              f"`python -m benchmarks.teacher_ranking{' --quick' if d['quick'] else ''}` "
               "(rerun it to resume).", "",
               f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch thread(s), shared "
               f"with other jobs; torch {m['torch']}; commit {m['git_commit']}."]
