@@ -672,12 +672,14 @@ def _plot(d: dict[str, Any], path: Path) -> None:
     err = [a["gain"][n]["sem"] or 0.0 for n in names]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
     for ax, score in zip(axes, ("alignment", ACCURACY), strict=True):
-        x = [a["scores"][score]["values"][n] for n in names]
+        if score not in a["scores"]:
+            continue
+        x = [np.nan if (v := a["scores"][score]["values"][n]) is None else v for n in names]
         ax.errorbar(x, gain, yerr=err, fmt="o", capsize=3)
         for xi, yi, n in zip(x, gain, names, strict=True):
             ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
         v = a["scores"][score]
-        ax.set_xlabel(f"{score} (ρ = {v['rho']:+.2f}, 95% {_ci(v['rho_ci'])})")
+        ax.set_xlabel(f"{score} (ρ = {_fmt(v['rho'], 2)}, 95% {_ci(v['rho_ci'])})")
         ax.axhline(0, color="grey", lw=0.5)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
