@@ -25,6 +25,8 @@ _PARAM_SETS = ("all", "blocks")
 _SNAPSHOTS = ("full", "lowrank")
 _DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
+_FSDP_TEACHER = ("replicate", "shard")
+_MIXED_PRECISION = ("none", "bfloat16", "float16")
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -92,6 +94,15 @@ class OPDConfig:
     report_to: str = _opt("none", "none | tensorboard | wandb (comma-separated)")
     seed: int = _opt(0, "seed of the prompt order, rollouts and init")
     dtype: str = _opt("float32", f"model dtype: {' | '.join(_DTYPES)}")
+    # sharding (under torchrun)
+    fsdp: bool = _opt(False, "shard the student over the torchrun ranks with FSDP2 (each decoder "
+                      "block and the root); parameters, gradients, optimizer state and the EffOPD "
+                      "anchor are split over the ranks")
+    fsdp_teacher: str = _opt("replicate", "with --fsdp: replicate (a full teacher on every rank) | "
+                             "shard (FSDP2, gathered block by block in each forward)")
+    fsdp_mixed_precision: str = _opt("none", "with --fsdp: none | bfloat16 | float16, the dtype "
+                                     "the gathered weights compute in; gradients are reduced in "
+                                     "float32, shards and optimizer state keep --dtype")
     device: str = _opt("cpu", "torch device for the student and teacher")
     progress: bool = _opt(True, "show progress bars")
 
@@ -104,6 +115,11 @@ class OPDConfig:
         _choice("dtype", self.dtype, _DTYPES)
         _choice("direction", self.direction, ("secant", "averaged"))
         _choice("extrapolate_params", self.extrapolate_params, _PARAM_SETS)
+        _choice("fsdp_teacher", self.fsdp_teacher, _FSDP_TEACHER)
+        _choice("fsdp_mixed_precision", self.fsdp_mixed_precision, _MIXED_PRECISION)
+        if self.fsdp and self.ema_decay is not None:
+            raise ValueError("ema_decay is not supported with fsdp (the average would be a full "
+                             "replica of the student on every rank); drop --ema_decay")
         self.schedule_value()
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")

@@ -26,12 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["MIXED_PRECISION", "decoder_blocks", "shard", "is_sharded", "reshard",
+__all__ = ["decoder_blocks", "shard", "is_sharded", "reshard",
            "gathered_weights", "save_state", "load_state", "resident_nbytes"]
 
-# --fsdp_mixed_precision: the dtype parameters are all-gathered and computed in; gradients are
-# reduced in float32 and the sharded parameters and optimizer state stay in their own dtype.
-MIXED_PRECISION = ("none", "bfloat16", "float16")
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -68,14 +65,15 @@ def shard(model: nn.Module, *, train: bool, mixed_precision: str = "none",
           mesh: Any = None) -> nn.Module:
     """``fully_shard`` every decoder block, then the root, over ``mesh`` (default: all ranks
     of the default group, on the device type of the model's parameters). ``train``: gradients
-    are summed over ranks. Every module reshards after its forward (the root included), so
+    are summed over ranks. ``mixed_precision`` (``bfloat16``/``float16``): the dtype the
+    gathered weights compute in; gradients are reduced in float32 and the shards (and so the
+    optimizer state) keep their own dtype. Every module reshards after its forward (the root included), so
     between steps a rank holds only its shards. Returns ``model`` (now an ``FSDPModule``)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("fsdp needs a torch.distributed process group: run under torchrun "
                          "(torchrun --nproc-per-node N -m lookahead_opd.cli train --fsdp ...)")
-    if mixed_precision not in MIXED_PRECISION:
-        raise ValueError(f"fsdp_mixed_precision must be one of {', '.join(MIXED_PRECISION)}; "
-                         f"got {mixed_precision!r}")
+    if mixed_precision not in ("none", "bfloat16", "float16"):
+        raise ValueError(f"mixed_precision must be none, bfloat16 or float16; got {mixed_precision!r}")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
