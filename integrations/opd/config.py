@@ -53,6 +53,8 @@ class OPDConfig:
     temperature: float = _opt(1.0, "sampling temperature of the student's rollouts")
     top_p: float = _opt(1.0, "nucleus sampling of the student's rollouts")
     vllm_gpu_memory_utilization: float = _opt(0.3, "vLLM engine: fraction of GPU memory")
+    vllm_dtype: str | None = _opt(None, "vLLM engine: dtype of its copy of the student (default: "
+                                  "--dtype); bfloat16 halves it while training stays in --dtype")
     # loss
     loss: str = _opt("reverse_kl_pg", "reverse_kl_pg | reverse_kl | jsd | drgrpo (RL on the task's "
                      "exact-match reward, group-mean baseline; needs num_samples >= 2)")
@@ -113,6 +115,8 @@ class OPDConfig:
         _choice("gate", self.gate, _GATES)
         _choice("snapshot", self.snapshot, _SNAPSHOTS)
         _choice("dtype", self.dtype, _DTYPES)
+        if self.vllm_dtype is not None:
+            _choice("vllm_dtype", self.vllm_dtype, _DTYPES)
         _choice("direction", self.direction, ("secant", "averaged"))
         _choice("extrapolate_params", self.extrapolate_params, _PARAM_SETS)
         _choice("fsdp_teacher", self.fsdp_teacher, _FSDP_TEACHER)
