@@ -62,9 +62,10 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard(model: nn.Module, *, train: bool, mixed_precision: str = "none",
-          mesh: Any = None) -> nn.Module:
+          device: str | torch.device | None = None, mesh: Any = None) -> nn.Module:
     """``fully_shard`` every decoder block, then the root, over ``mesh`` (default: all ranks
-    of the default group, on the device type of the model's parameters). ``train``: gradients
+    of the default group on ``device``'s type, default the parameters' device). A model on
+    the CPU is moved to ``device`` one block at a time, as each is sharded. ``train``: gradients
     are summed over ranks. ``mixed_precision`` (``bfloat16``/``float16``): the dtype the
     gathered weights compute in; gradients are reduced in float32 and the shards (and so the
     optimizer state) keep their own dtype. Every module reshards after its forward (the root included), so
@@ -78,7 +79,8 @@ def shard(model: nn.Module, *, train: bool, mixed_precision: str = "none",
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh is None:
-        device_type = next(model.parameters()).device.type
+        device_type = torch.device(device).type if device is not None else next(
+            model.parameters()).device.type
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy() if mixed_precision == "none" else MixedPrecisionPolicy(
         param_dtype=getattr(torch, mixed_precision), reduce_dtype=torch.float32)

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from conftest import tiny_qwen2
-from torch import nn
-
 from lookahead_opd.integrations.opd.engines import Engine, Rollout, build_rollout, tokenize_prompts
+from torch import nn
 
 
 def tokenizer():
@@ -96,13 +95,19 @@ def _run(cfg, rank: int, engine: str) -> dict:
     }
 
 
+# One step compared with one process: SGD, so the step is linear in the gradient. (AdamW's
+# first step is lr·g/(|g|+eps): for the few weights whose gradient is ~1e-9, a cancellation of
+# much larger terms, the other summation order moves the weight by up to ~1e-6.)
+ONE_STEP = dict(max_steps=1, optimizer="sgd", learning_rate=0.1)
+
+
 def opd_worker(rank: int, tmp: str) -> dict:
     """The runs the tests compare: one step on fixed rollouts (sharded); four steps with
     EffOPD through HFEngine, replicated and sharded (with checkpoints at steps 2 and 4); the
     sharded run resumed from its step-2 checkpoint; a sharded teacher and mixed precision."""
     tmp_path = Path(tmp)
     out: dict = {}
-    out["one_step"] = _run(config(tmp_path / "one", max_steps=1, fsdp=True), rank, "fixed")
+    out["one_step"] = _run(config(tmp_path / "one", **ONE_STEP, fsdp=True), rank, "fixed")
     effopd = dict(extrapolate=True, save_every=2)
     out["replicated"] = _run(config(tmp_path / "rep", **effopd), rank, "hf")
     out["sharded"] = _run(config(tmp_path / "fsdp", fsdp=True, **effopd), rank, "hf")
@@ -114,7 +119,7 @@ def opd_worker(rank: int, tmp: str) -> dict:
         (resumed / "latest").write_text("checkpoint-2\n")
     torch.distributed.barrier()
     out["resumed"] = _run(config(resumed, fsdp=True, resume=True, **effopd), rank, "hf")
-    out["sharded_teacher"] = _run(config(tmp_path / "st", max_steps=1, fsdp=True,
+    out["sharded_teacher"] = _run(config(tmp_path / "st", **ONE_STEP, fsdp=True,
                                          fsdp_teacher="shard"), rank, "fixed")
     out["bf16"] = _run(config(tmp_path / "bf16", max_steps=2, fsdp=True,
                               fsdp_mixed_precision="bfloat16"), rank, "hf")

@@ -30,7 +30,7 @@ def runs(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("fsdp_single")
-    return {"one_step": fw.single_process_run(tmp / "one", max_steps=1),
+    return {"one_step": fw.single_process_run(tmp / "one", **fw.ONE_STEP),
             "effopd": fw.single_process_run(tmp / "effopd", max_steps=1, extrapolate=True)}
 
 
@@ -56,7 +56,9 @@ def test_one_sharded_step_is_the_single_process_step(runs, single):
 def test_four_sharded_steps_match_the_replicated_path(runs):
     for r in runs:
         rep, sh = r["replicated"], r["sharded"]
-        _close(sh["params"], rep["params"], rtol=1e-5, atol=1e-6)
+        # AdamW (see ONE_STEP) and a c = 4 jump amplify summation-order differences in
+        # near-zero gradients: 1e-4 is 1% of one step's update (lr 1e-2).
+        _close(sh["params"], rep["params"], rtol=1e-5, atol=1e-4)
         assert sh["losses"] == pytest.approx(rep["losses"], rel=1e-5)
         assert [{k: h[k] for k in DECISION} for h in sh["history"]] == [
             {k: h[k] for k in DECISION} for h in rep["history"]]
