@@ -341,7 +341,7 @@ def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     class RetentionGatedTrainer(trainer_cls):
         def gate_score(self) -> float:
             score = super().gate_score()
-            kept = greedy_accuracy(self.engine, held_out["task"], held_out["problems"],
+            kept = greedy_accuracy(self.synced_engine(), held_out["task"], held_out["problems"],
                                    held_out["task"].max_new_tokens)
             return score if kept >= floor else float("-inf")
 

@@ -11,7 +11,7 @@ One optimizer step (``train_step``) is rollout → score → update:
      ``ExtrapolatingOptimizer`` whose gate generates through the same engine.
 ``train()`` then logs a JSON line (``metrics.py``), evaluates and checkpoints
 (``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``).
-Every generation goes through ``_synced_engine``, the one place the student's weights reach
+Every generation goes through ``synced_engine``, the one place the student's weights reach
 the engine.
 """
 
@@ -211,7 +211,7 @@ class OPDTrainer:
             self.gate_evals += 1
             self.gate_seconds += time.perf_counter() - start
 
-    def _synced_engine(self) -> Engine:
+    def synced_engine(self) -> Engine:
         """The engine, given the student's weights as they are now. Every generation goes
         through here, the one place weights reach the engine, so rollouts, gate candidates and
         evaluations always sample the weights they mean (a no-op push for ``HFEngine``)."""
@@ -229,7 +229,7 @@ class OPDTrainer:
         """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
         (sampled once, at the first call, teacher-forced afterwards: continuous, cheap)."""
         if self._gate_sequences is None:
-            r = self._synced_engine().generate(
+            r = self.synced_engine().generate(
                 [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
                 temperature=self.config.temperature, seed=self.config.seed)
             self._gate_sequences = {"sequences": r.sequences, "attention_mask": r.attention_mask,
@@ -258,7 +258,7 @@ class OPDTrainer:
 
     def _accuracy(self, problems: list[Problem], *, across_ranks: bool) -> float:
         """Greedy exact match on this rank's ``problems``; with ``across_ranks``, of all ranks'."""
-        acc = greedy_accuracy(self._synced_engine(), self.task, problems, self.max_new_tokens)
+        acc = greedy_accuracy(self.synced_engine(), self.task, problems, self.max_new_tokens)
         if not across_ranks:
             return acc
         correct, total = self.ranks.sum([acc * len(problems), len(problems)])
@@ -321,7 +321,7 @@ class OPDTrainer:
         """Sample this step's completions and their task rewards (one per row)."""
         c = self.config
         problems = self._problems(self.step)
-        rollout = self._synced_engine().generate(
+        rollout = self.synced_engine().generate(
             [p.prompt for p in problems], max_new_tokens=self.max_new_tokens,
             temperature=c.temperature, top_p=c.top_p,
             seed=c.seed * 1_000_003 + self.step * self.world + self.rank,
