@@ -284,8 +284,8 @@ class Extrapolator:
     @torch.no_grad()
     def _apply(self, c: float | None, backup: Sequence[Tensor], measure: bool = False) -> float:
         """Write ``base + c·Δ`` into every parameter (``c=None``: restore ``W_t`` exactly).
-        With ``measure``, also return ``‖Δ‖`` (else 0)."""
-        sq = 0.0
+        With ``measure``, also return ``‖Δ‖`` (else 0), of the whole tensors when sharded."""
+        sq = [0.0] * len(self._params)
         for i, p in enumerate(self._local()):
             if c is None:
                 p.copy_(backup[i])
@@ -294,15 +294,15 @@ class Extrapolator:
             projected = None if self._projected is None else self._projected[i]
             if projected is not None:
                 if measure:
-                    sq += float(projected.square().sum())
+                    sq[i] = float(projected.square().sum())
                 p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
                 continue
             anchor = self.store.anchor(i, p.device)
             if measure:
-                sq += float(torch.sub(base, anchor).square().sum())
+                sq[i] = float(torch.sub(base, anchor).square().sum())
             # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
             p.copy_(torch.lerp(anchor, base, 1.0 + c))
-        return math.sqrt(sq)
+        return math.sqrt(distributed.square_sum(self._params, sq)) if measure else 0.0
 
     @torch.no_grad()
     def search(self) -> JumpRecord:

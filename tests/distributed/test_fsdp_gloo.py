@@ -62,6 +62,9 @@ def test_four_sharded_steps_match_the_replicated_path(runs):
         assert sh["losses"] == pytest.approx(rep["losses"], rel=1e-5)
         assert [{k: h[k] for k in DECISION} for h in sh["history"]] == [
             {k: h[k] for k in DECISION} for h in rep["history"]]
+        # ‖Δ‖ is the whole update's, not the local shard's.
+        assert [h["direction_norm"] for h in sh["history"]] == pytest.approx(
+            [h["direction_norm"] for h in rep["history"]], rel=1e-4)
     assert [h["step"] for h in runs[0]["sharded"]["history"]] == [1, 2, 4]
 
 
