@@ -10,7 +10,8 @@ One optimizer step (``train_step``) is rollout → score → update:
   3. update: clip, ``optimizer.step()`` — which, when ``extrapolate=True``, is an
      ``ExtrapolatingOptimizer`` whose gate generates through the same engine.
 ``train()`` then logs a JSON line (``metrics.py``), evaluates and checkpoints
-(``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``).
+(``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``);
+with ``fsdp`` they also shard the student (``sharding.py``).
 Every generation goes through ``synced_engine``, the one place the student's weights reach
 the engine.
 """
