@@ -26,9 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["decoder_blocks", "shard", "is_sharded", "reshard",
+__all__ = ["require_process_group", "decoder_blocks", "shard", "is_sharded", "reshard",
            "gathered_weights", "save_state", "load_state", "resident_nbytes"]
 
+
+
+def require_process_group() -> None:
+    """Raise a one-line ``ValueError`` unless a ``torch.distributed`` group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("fsdp needs a torch.distributed process group: run under torchrun "
+                         "(torchrun --nproc-per-node N -m lookahead_opd.cli train --fsdp ...)")
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
@@ -70,9 +77,7 @@ def shard(model: nn.Module, *, train: bool, mixed_precision: str = "none",
     gathered weights compute in; gradients are reduced in float32 and the shards (and so the
     optimizer state) keep their own dtype. Every module reshards after its forward (the root included), so
     between steps a rank holds only its shards. Returns ``model`` (now an ``FSDPModule``)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("fsdp needs a torch.distributed process group: run under torchrun "
-                         "(torchrun --nproc-per-node N -m lookahead_opd.cli train --fsdp ...)")
+    require_process_group()
     if mixed_precision not in ("none", "bfloat16", "float16"):
         raise ValueError(f"mixed_precision must be none, bfloat16 or float16; got {mixed_precision!r}")
     from torch.distributed.device_mesh import init_device_mesh

@@ -28,6 +28,10 @@ def build_trainer(config: OPDConfig):
     from .trainer import OPDTrainer
 
     _init_distributed(config)
+    if config.fsdp:
+        from .sharding import require_process_group
+
+        require_process_group()  # before any model loads
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)  # validated: float32 | bfloat16 | float16
     task = load_task(config.task)

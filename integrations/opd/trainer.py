@@ -57,7 +57,7 @@ from .losses import (
 )
 from .metrics import MetricsLog
 from .ranks import Ranks
-from .sharding import shard
+from .sharding import require_process_group, shard
 from .tasks import Problem, Task
 
 __all__ = ["OPDTrainer", "TrainResult", "sequence_logits", "greedy_accuracy"]
@@ -167,12 +167,8 @@ class OPDTrainer:
         """``fsdp=True`` needs torchrun's process group, and every rank must run as many
         micro-batches as the others (each forward and backward of a sharded model is a
         collective)."""
-        import torch.distributed as dist
-
         c = self.config
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("fsdp needs a torch.distributed process group: run under torchrun "
-                             "(torchrun --nproc-per-node N -m lookahead_opd.cli train --fsdp ...)")
+        require_process_group()
         if c.batch_size * c.num_samples % (self.world * c.gradient_accumulation_steps):
             raise ValueError(
                 f"fsdp: batch_size*num_samples ({c.batch_size * c.num_samples}) must be divisible "

@@ -116,10 +116,21 @@ def test_sharded_teacher_and_mixed_precision(runs, single):
     assert a["losses"][0] != fp32 and a["losses"][0] == pytest.approx(fp32, rel=0.05)
 
 
-def test_fsdp_without_a_process_group_is_one_line(tmp_path):
+def test_fsdp_without_a_process_group_is_one_line(tmp_path, capsys):
     with pytest.raises(ValueError, match="torchrun") as err:
         fw.trainer(fw.config(tmp_path, fsdp=True), 0, "fixed")
     assert "\n" not in str(err.value)
+    # The CLI says so in one line, before loading any model.
+    from lookahead_opd.integrations.opd.train import main
+
+    tok = fw.tokenizer()
+    model_dir = tmp_path / "model"
+    fw.models(tok)[0].save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    assert main(["--student", str(model_dir), "--teacher", str(model_dir), "--fsdp",
+                 "--output_dir", str(tmp_path / "run")]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and "fsdp needs a torch.distributed process group" in err_lines[0]
 
 
 def test_engines_get_full_weights_block_by_block_and_ranks_generate_in_step(tmp_path):
