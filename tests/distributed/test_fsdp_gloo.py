@@ -127,6 +127,7 @@ def test_fsdp_without_a_process_group_is_one_line(tmp_path, capsys):
     model_dir = tmp_path / "model"
     fw.models(tok)[0].save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    capsys.readouterr()  # drop save_pretrained's progress bar
     assert main(["--student", str(model_dir), "--teacher", str(model_dir), "--fsdp",
                  "--output_dir", str(tmp_path / "run")]) == 2
     err_lines = capsys.readouterr().err.strip().splitlines()
