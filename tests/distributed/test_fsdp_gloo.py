@@ -157,3 +157,41 @@ def test_engines_get_full_weights_block_by_block_and_ranks_generate_in_step(tmp_
         ref = HFEngine(full, tok).generate(r["prompts"], max_new_tokens=5, temperature=0.0)
         assert r["texts"] == ref.texts
     assert len(r0["texts"]) == 1 and len(r1["texts"]) == 3
+
+
+def test_cli_under_torchrun_trains_checkpoints_and_resumes_sharded(tmp_path):
+    """``lookahead-opd train --fsdp`` as a user runs it: two torchrun processes load the
+    models on the CPU, shard student and teacher, checkpoint through DCP, and resume."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tok = fw.tokenizer()
+    student, teacher = fw.models(tok)
+    for name, model in (("student", student), ("teacher", teacher)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    out = tmp_path / "run"
+
+    def train(*extra: str) -> None:
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m", "lookahead_opd.cli", "train",
+                "--student", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"),
+                "--fsdp", "--fsdp_teacher", "shard", "--extrapolate", "--gate", "neg_kl",
+                "--batch_size", "8", "--gate_size", "4", "--eval_size", "4", "--max_new_tokens",
+                "4", "--learning_rate", "1e-2", "--save_every", "1", "--eval_every", "0",
+                "--progress", "false", "--output_dir", str(out), *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    train("--max_steps", "2")
+    train("--max_steps", "3", "--resume")
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+    last = out / (out / "latest").read_text().strip()
+    assert last.name == "checkpoint-3"
+    assert (last / "dcp").is_dir() and (last / "rank0.pt").is_file() and (last / "rank1.pt").is_file()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
