@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..cli_support import check_device, check_model_ref, check_output_dir, parse_dataclass
+
 __all__ = ["OPDConfig", "parse_config"]
 
 _ENGINES = ("hf", "vllm")
@@ -93,7 +95,8 @@ class OPDConfig:
     seed: int = _opt(0, "seed of the prompt order, rollouts and init")
     dtype: str = _opt("float32", f"model dtype: {' | '.join(_DTYPES)}")
     device: str = _opt("cpu", "torch device for the student and teacher")
-    progress: bool = _opt(True, "show progress bars")
+    progress: bool = _opt(True, "show progress bars",
+                          negated_help="no progress bars (training, and model loading and writing)")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded."""
@@ -144,13 +147,26 @@ class OPDConfig:
             raise ValueError(f"direction_rank must be >= 1, got {self.direction_rank}")
         if self.snapshot == "lowrank" and (self.rank is None or self.rank < 1):
             raise ValueError(f"snapshot='lowrank' needs rank >= 1, got {self.rank}")
-        self.coefficient_values()
+        self._check_coefficients()
+        check_device(self.device)
         from .tasks import load_task
 
         load_task(self.task)  # unknown tasks and bad options fail here, before any model
         if check_paths:
+            check_output_dir(self.output_dir)
             for role in ("student", "teacher"):
-                _check_model_ref(role, getattr(self, role))
+                check_model_ref(role, getattr(self, role))
+
+    def _check_coefficients(self) -> None:
+        """The optimizer's own check, whether or not ``extrapolate`` is on: a bad value is
+        wrong in the config either way."""
+        from lookahead_opd.schedule import resolve_coefficients
+
+        try:
+            resolve_coefficients(self.coefficient_values(), self.max_candidates,
+                                 allow_zero=self.direction == "averaged")
+        except TypeError as err:
+            raise ValueError(str(err)) from None
 
     def coefficient_values(self) -> str | list[float]:
         """``coefficients`` as the optimizer option: a name or a list of numbers."""
@@ -192,22 +208,8 @@ def _choice(name: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def _check_model_ref(role: str, ref: str) -> None:
-    """A local path must be a saved model; a bare ``name`` or ``org/name`` is left to the Hub."""
-    if not ref:
-        raise ValueError(f"--{role} is required (a Hugging Face model id or a local directory)")
-    path = Path(ref).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{role} directory {ref} has no config.json (not a saved HF model)")
-    elif ref.startswith((".", "/", "~")) or ref.count("/") > 1:
-        raise ValueError(f"{role} path {ref} does not exist")
-
-
 def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
     """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win)."""
-    from transformers import HfArgumentParser
-
     args = list(argv or [])
     base: dict[str, Any] = {}
     if "--config" in args:
@@ -216,11 +218,9 @@ def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
             raise ValueError("--config needs a file path")
         base = _read_config_file(args[i + 1])
         del args[i : i + 2]
-    parser = HfArgumentParser(OPDConfig, prog="lookahead-opd train")
     defaults = OPDConfig(**base)
-    parser.set_defaults(**dataclasses.asdict(defaults))
-    (config,) = parser.parse_args_into_dataclasses(args=args)
-    return config
+    return parse_dataclass(OPDConfig, args, "lookahead-opd train",
+                           defaults=dataclasses.asdict(defaults))
 
 
 def _read_config_file(path: str) -> dict[str, Any]:
@@ -231,9 +231,18 @@ def _read_config_file(path: str) -> dict[str, Any]:
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ValueError(f"config file {path} is not valid YAML{where}: {problem}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file {path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of option: value")
     known = {f.name for f in dataclasses.fields(OPDConfig)}

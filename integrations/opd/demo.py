@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,9 +56,16 @@ class DemoConfig:
     eval_every: int = field(default=10, metadata={"help": "measure accuracy every N steps"})
     eval_size: int = field(default=200, metadata={"help": "held-out problems for the measurement"})
     target_fraction: float = field(default=0.9, metadata={"help": "target = this × teacher accuracy"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)"})
+    export_dir: str | None = field(default=None, metadata={
+        "help": "copy the student and teacher here, as student/ and teacher/, for "
+                "`lookahead-opd train` (default: <output_dir>/models)"})
+    threads: int | None = field(default=1, metadata={
+        "help": "torch threads for the whole command, the model build included (None: torch's "
+                "default; one thread was no slower on 2 cores, see benchmarks/results/threads.md)"})
     quick: bool = field(default=False, metadata={"help": "a smaller configuration, for CI"})
-    progress: bool = field(default=True, metadata={"help": "progress bars"})
+    progress: bool = field(default=True, metadata={
+        "help": "show progress bars",
+        "negated_help": "no progress bars (the build, both runs, and model loading and writing)"})
 
     def apply_quick(self) -> DemoConfig:
         """The CI configuration: fewer steps, smaller sets, same code path."""
@@ -67,22 +76,66 @@ class DemoConfig:
                                    eval_every=min(self.eval_every, 2))
 
 
-def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
-    from .compare import run_variant
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option; nothing is built or loaded."""
+        from ..cli_support import check_output_dir
+        from .zoo import ZOO_SIZES
+
+        if self.teacher_regime not in ("same-base", "independent"):
+            raise ValueError(f"teacher_regime must be same-base or independent, "
+                             f"got {self.teacher_regime!r}")
+        if self.size not in ZOO_SIZES:
+            raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {self.size!r}")
+        if not 0 < self.target_fraction <= 1:
+            raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        check_output_dir(self.output_dir)
+        check_output_dir(self.models_dir(), "export_dir")
+        _opd_config(self, "", "", extrapolate=True).validate(check_paths=False)
+
+    def models_dir(self) -> Path:
+        return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "models"
+
+
+def _opd_config(cfg: DemoConfig, student: str, teacher: str, *, extrapolate: bool):
+    """The ``OPDConfig`` of one of the demo's two runs (each run's output is remade, so an
+    earlier demo's is overwritten)."""
     from .config import OPDConfig
-    from .tasks import load_task
 
     name = "effopd" if extrapolate else "opd"
-    config = OPDConfig(
-        student=models["student_path"], teacher=models["teacher_path"], task=cfg.task,
+    return OPDConfig(
+        student=student, teacher=teacher, task=cfg.task,
         output_dir=str(Path(cfg.output_dir) / name), batch_size=cfg.batch_size,
         loss=cfg.loss, optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
         warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, extrapolate=extrapolate,
         gate=cfg.gate, gate_size=cfg.gate_size, coefficients=cfg.coefficients,
         eval_every=cfg.eval_every, eval_size=cfg.eval_size, seed=cfg.seed, progress=cfg.progress,
     )
+
+
+def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
+    from .compare import run_variant
+    from .tasks import load_task
+
+    config = _opd_config(cfg, models["student_path"], models["teacher_path"],
+                         extrapolate=extrapolate)
     return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
                        models["tokenizer"], engine_batch_size=256)
+
+
+def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path, Path]:
+    """Copy the two saved models to ``export_dir``/student and /teacher (replacing an earlier
+    export), a stable place for ``lookahead-opd train``; the cache's names change with the
+    build's parameters."""
+    out = []
+    for src, name in ((student, "student"), (teacher, "teacher")):
+        dst = export_dir / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+        out.append(dst)
+    return out[0], out[1]
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -92,16 +145,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .zoo import build_pair
 
     cfg = cfg.apply_quick()
-    if cfg.teacher_regime not in ("same-base", "independent"):
-        raise ValueError(f"teacher_regime must be same-base or independent, got {cfg.teacher_regime!r}")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.validate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     pair = build_pair(cfg.cache_dir, task_spec=cfg.task, size=cfg.size,
                       teacher_regime=cfg.teacher_regime, seed=cfg.seed, progress=cfg.progress)
     build_seconds = time.perf_counter() - t0
+    student_dir, teacher_dir = export_models(pair.student_path, pair.teacher_path,
+                                             cfg.models_dir())
+    print(f"models: --student {student_dir} --teacher {teacher_dir} (for lookahead-opd train)",
+          flush=True)
     teacher_acc = pair.accuracies["teacher"]
     target = cfg.target_fraction * teacher_acc
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -122,7 +176,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         run["searches"] = len(run["jumps"])
     results = {
         "config": dataclasses.asdict(cfg),
-        "models": {"student": str(pair.student_path), "teacher": str(pair.teacher_path),
+        "models": {"student": str(student_dir), "teacher": str(teacher_dir),
+                   "cache": {"student": str(pair.student_path), "teacher": str(pair.teacher_path)},
                    "accuracies": pair.accuracies, "build_seconds": build_seconds},
         "teacher_accuracy": teacher_acc,
         "target_accuracy": target,
@@ -201,10 +256,17 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers import HfArgumentParser
+    from ..cli_support import parse_dataclass, quiet_loading_bars, set_threads
 
-    (cfg,) = HfArgumentParser(DemoConfig, prog="lookahead-opd demo").parse_args_into_dataclasses(
-        args=list(argv or []))
+    try:  # bad input: one clear line and status 2, before anything is built or loaded
+        cfg = parse_dataclass(DemoConfig, argv, "lookahead-opd demo")
+        cfg.validate()
+    except ValueError as err:
+        print(f"lookahead-opd demo: {err}", file=sys.stderr)
+        return 2
+    set_threads(cfg.threads)
+    if not cfg.progress:
+        quiet_loading_bars()
     results = run_demo(cfg)
     print(format_table(results))
     print(f"\nwrote {Path(cfg.output_dir) / 'results.json'} and accuracy_vs_step.png")

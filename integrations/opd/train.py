@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from ..cli_support import quiet_loading_bars
 from .config import OPDConfig, parse_config
 
 __all__ = ["build_trainer", "main"]
@@ -64,13 +65,15 @@ def _init_distributed(config: OPDConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    try:  # bad input: one clear line and status 2, before any model loads where it can be
         config = parse_config(argv)
+        if not config.progress:
+            quiet_loading_bars()
         trainer = build_trainer(config)
-    except ValueError as err:  # bad input: one clear line, nothing loaded
+    except ValueError as err:
         print(f"lookahead-opd train: {err}", file=sys.stderr)
         return 2
-    result = trainer.train()
+    result = trainer.train()  # a failure while training keeps its traceback
     final = result.evals[-1][1] if result.evals else float("nan")
     if trainer.rank == 0:
         print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "

@@ -27,7 +27,7 @@ from .tasks import Problem, Task, load_task
 from .tokenizer import char_tokenizer
 
 __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "make_model", "pretrain", "greedy_accuracy",
-           "build_pair", "BASE_RANGE", "TEACHER_MIN"]
+           "build_pair", "remove_stale_builds", "BASE_RANGE", "TEACHER_MIN"]
 
 ZOO_VERSION = "3"
 BASE_RANGE = (0.05, 0.40)
@@ -149,6 +149,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
         raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
     task = load_task(task_spec)
     root = cache_root(cache_dir)
+    remove_stale_builds(root)
     name = f"{task.name}-{size}-{teacher_regime}-seed{seed}-{_key(task=task_spec, size=size, regime=teacher_regime, seed=seed, max_steps=max_steps)}"
     final = root / name
     if (final / "build.json").is_file():
@@ -156,7 +157,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
         return ZooPair(final / "student", final / "teacher", meta["accuracies"])
 
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    work = Path(tempfile.mkdtemp(prefix=f".{name}{_TMP}{os.getpid()}-", dir=root))
     try:
         meta = _build(work, task, size, teacher_regime, seed, progress, max_steps)
         meta.update(task=task_spec, size=size, teacher_regime=teacher_regime, seed=seed,
@@ -171,6 +172,38 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
         shutil.rmtree(work, ignore_errors=True)
     meta = json.loads((final / "build.json").read_text())
     return ZooPair(final / "student", final / "teacher", meta["accuracies"])
+
+
+_TMP = ".tmp-"  # a build in progress: .<name>.tmp-<pid>-<random>
+STALE_SECONDS = 3600
+
+
+def remove_stale_builds(root: Path, *, max_age: float = STALE_SECONDS) -> list[Path]:
+    """Remove the work folders of builds that were killed (SIGTERM/SIGKILL skip the cleanup):
+    those whose process is gone, or untouched for ``max_age`` seconds (a folder without a pid,
+    or a pid now reused). Returns what was removed."""
+    removed = []
+    for work in root.glob(f".*{_TMP}*") if root.is_dir() else ():
+        # The pid is absent from folders of older versions (".tmp-<random>", no second "-").
+        pid, has_pid, _ = work.name.rsplit(_TMP, 1)[1].partition("-")
+        try:
+            age = time.time() - max(p.stat().st_mtime for p in (work, *work.rglob("*")))
+        except FileNotFoundError:  # finished or removed meanwhile
+            continue
+        if age > max_age or (has_pid and pid.isdigit() and not _process_alive(int(pid))):
+            shutil.rmtree(work, ignore_errors=True)
+            removed.append(work)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _build(work: Path, task: Task, size: str, regime: str, seed: int, progress: bool,

@@ -1,0 +1,120 @@
+"""How many torch threads the cached demo wants: ``lookahead-opd demo`` timed at 1 and 2 threads.
+
+Each run is the whole CLI in a fresh process (the models already cached), so the time is what a
+user waits for. The thread counts alternate (1, 2, 2, 1, 1, 2, ...) so that a change in the
+machine's load during the benchmark falls on both sides; the load average before each run is
+recorded next to its time. Reported: wall-clock per run, the per-pair ratio 2-thread / 1-thread
+(min-max), and the demo's own training seconds.
+
+    python benchmarks/threads.py                 # 3 pairs, ~15-25 min on 2 CPU cores
+    python benchmarks/threads.py --pairs 1       # one pair
+
+Results go to benchmarks/results/threads.{json,md}, rewritten after every run; a rerun with the
+same options continues where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+try:  # python -m benchmarks.threads
+    from benchmarks.common import machine_info, markdown_table, write_results
+except ImportError:  # python benchmarks/threads.py
+    from common import machine_info, markdown_table, write_results  # type: ignore[no-redef]
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _order(pairs: int) -> list[int]:
+    """1, 2 | 2, 1 | 1, 2 | ...: each thread count goes first in every other pair."""
+    out: list[int] = []
+    for k in range(pairs):
+        out += [1, 2] if k % 2 == 0 else [2, 1]
+    return out
+
+
+def _run_demo(threads: int, extra: list[str]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = ["lookahead-opd", "demo", "--threads", str(threads), "--output_dir", out,
+               "--no_progress", *extra]
+        load = os.getloadavg()
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        res = json.loads(open(os.path.join(out, "results.json")).read())
+    runs = res["runs"]
+    return {"threads": threads, "wall_seconds": wall, "loadavg_before": list(load),
+            "train_seconds": {k: max(r["train_seconds"].values()) for k, r in runs.items()},
+            "command": " ".join(shlex.quote(c) for c in cmd)}
+
+
+def _report(data: dict[str, Any]) -> str:
+    runs = data["runs"]
+    rows = [[i + 1, r["threads"], f"{r['wall_seconds']:.1f}",
+             f"{r['train_seconds']['opd']:.1f} / {r['train_seconds']['effopd']:.1f}",
+             f"{r['loadavg_before'][0]:.2f}"] for i, r in enumerate(runs)]
+    ratios = [runs[i + 1]["wall_seconds"] / runs[i]["wall_seconds"] if runs[i]["threads"] == 1
+              else runs[i]["wall_seconds"] / runs[i + 1]["wall_seconds"]
+              for i in range(0, len(runs) - 1, 2)]
+    m = data["machine"]
+    lines = [
+        "# The cached demo at 1 and 2 torch threads",
+        "",
+        f"Command: `{m['command']}` (each run: `lookahead-opd demo --threads T --no_progress`, "
+        f"a fresh process, models cached). {m.get('cpu_count')} CPU cores ({m.get('cpu_model')}), "
+        f"torch {m['torch']}, {m['date']}.",
+        "",
+        markdown_table(["run", "threads", "wall-clock s", "train s (OPD / EffOPD)",
+                        "load avg before"], rows),
+        "",
+    ]
+    if ratios:
+        lines.append(f"Wall-clock 2 threads / 1 thread, per adjacent pair: "
+                     f"{', '.join(f'{r:.2f}' for r in ratios)} (min {min(ratios):.2f}, "
+                     f"max {max(ratios):.2f}); above 1 means one thread was faster.")
+        lines.append("")
+    lines.append(
+        "Caveat: the machine was shared with other jobs while this ran (the load average is "
+        "the column above), so this is not the demo alone; alternating the order puts the "
+        "background load on both sides, but a 2-thread run is hurt more by a busy second "
+        "core than a 1-thread run is.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="pairs of runs (1 and 2 threads)")
+    p.add_argument("--demo_args", default="", help="extra demo options, e.g. '--quick'")
+    p.add_argument("--stem", default="threads", help="results file name")
+    a = p.parse_args(argv)
+    extra = shlex.split(a.demo_args)
+    path = os.path.join(RESULTS, a.stem + ".json")
+    data: dict[str, Any] = {"machine": machine_info(torch.device("cpu")), "runs": []}
+    if os.path.exists(path):
+        old = json.loads(open(path).read())
+        if old.get("options") == {"pairs": a.pairs, "demo_args": a.demo_args}:
+            data["runs"] = old["runs"]
+    data["options"] = {"pairs": a.pairs, "demo_args": a.demo_args}
+    order = _order(a.pairs)
+    for i in range(len(data["runs"]), len(order)):
+        r = _run_demo(order[i], extra)
+        data["runs"].append(r)
+        print(f"run {i + 1}/{len(order)}: {r['threads']} thread(s) {r['wall_seconds']:.1f} s "
+              f"(load {r['loadavg_before'][0]:.2f})", flush=True)
+        write_results(RESULTS, a.stem, data, _report(data))
+    print(_report(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
