@@ -87,7 +87,10 @@ class OPDConfig:
     eval_every: int = _opt(10, "evaluate greedy accuracy every N steps (0: only at the end)")
     eval_size: int = _opt(200, "problems in the held-out eval set")
     save_every: int = _opt(0, "checkpoint every N steps (0: only at the end)")
-    resume: bool = _opt(False, "continue from output_dir's checkpoint")
+    resume: bool = _opt(False, "continue from output_dir's newest checkpoint that loads (a "
+                        "damaged one is set aside as corrupt-checkpoint-N)")
+    overwrite_output_dir: bool = _opt(False, "start over in an output_dir that holds an earlier "
+                                      "run: its metrics and checkpoints are deleted first")
     stop_at_accuracy: float | None = _opt(None, "stop once eval accuracy reaches this")
     ema_decay: float | None = _opt(None, "evaluate an EMA of the weights with this decay (training "
                                    "is unchanged)")
@@ -154,8 +157,22 @@ class OPDConfig:
         load_task(self.task)  # unknown tasks and bad options fail here, before any model
         if check_paths:
             check_output_dir(self.output_dir)
+            self._check_earlier_run()
             for role in ("student", "teacher"):
                 check_model_ref(role, getattr(self, role))
+
+    def _check_earlier_run(self) -> None:
+        """Refuse to overwrite an earlier run by accident (as the HF Trainer's scripts do)."""
+        from .checkpoint import earlier_run
+
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume and overwrite_output_dir contradict each other; give one")
+        found = earlier_run(Path(self.output_dir))
+        if found and not (self.resume or self.overwrite_output_dir):
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ValueError(f"output_dir {self.output_dir} holds an earlier run ({shown}); "
+                             f"continue it with --resume, or delete it with "
+                             f"--overwrite_output_dir")
 
     def _check_coefficients(self) -> None:
         """The optimizer's own check, whether or not ``extrapolate`` is on: a bad value is

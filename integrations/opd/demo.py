@@ -111,6 +111,7 @@ def _opd_config(cfg: DemoConfig, student: str, teacher: str, *, extrapolate: boo
         warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, extrapolate=extrapolate,
         gate=cfg.gate, gate_size=cfg.gate_size, coefficients=cfg.coefficients,
         eval_every=cfg.eval_every, eval_size=cfg.eval_size, seed=cfg.seed, progress=cfg.progress,
+        overwrite_output_dir=True,
     )
 
 

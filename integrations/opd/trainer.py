@@ -34,7 +34,13 @@ from torch import nn
 from lookahead_opd import ExtrapolatingOptimizer
 from lookahead_opd.selection import transformer_blocks
 
-from .checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import (
+    clear_earlier_run,
+    read_checkpoint,
+    read_newest_checkpoint,
+    set_aside,
+    write_checkpoint,
+)
 from .config import OPDConfig
 from .engines import Engine, Rollout
 from .losses import (
@@ -374,6 +380,9 @@ class OPDTrainer:
     def train(self) -> TrainResult:
         """Train to ``max_steps`` (or ``stop_at_accuracy``), resuming first when asked."""
         c = self.config
+        if c.overwrite_output_dir and not c.resume and self.ranks.is_main:
+            clear_earlier_run(self.output_dir)
+        self.ranks.barrier()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if c.resume:
             if not self.load_checkpoint():
@@ -440,11 +449,17 @@ class OPDTrainer:
         return final
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
-        """Load ``path`` (default: the one ``latest`` names); False if there is none."""
-        path = latest_checkpoint(self.output_dir) if path is None else Path(path)
-        if path is None:
-            return False
-        state = read_checkpoint(path, self.student)
+        """Load ``path`` (default: the newest checkpoint in ``output_dir`` that loads, damaged
+        newer ones set aside with a warning); False if there is none."""
+        if path is not None:
+            state = read_checkpoint(Path(path), self.student)
+        else:
+            found, state, damaged = read_newest_checkpoint(self.output_dir, self.student)
+            self.ranks.barrier()  # every rank has read before rank 0 renames
+            if self.ranks.is_main:
+                set_aside(damaged, found)
+            if state is None:
+                return False
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
