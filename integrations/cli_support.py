@@ -1,8 +1,7 @@
-"""What the Hugging Face-based commands (``train``, ``demo``, ``diagnose``) share: a parser
-generated from a dataclass with one-line errors and ``--no_*`` help that says what the flag
-does; the checks of paths, devices and model ids that run before any model loads; and the
-process-wide settings that a command makes, never a library function (torch threads, the
-model loading and writing bars).
+"""What the Hugging Face-based commands (``train``, ``demo``, ``diagnose``) share besides their
+parser (``opd.config.parse_dataclass``): the checks of paths, devices and model ids that run
+before any model loads, and the process-wide setting that a command makes, never a library
+function (the model loading and writing bars).
 
 Every check raises ``ValueError`` naming the bad value and what is accepted; the commands print
 it on one line and exit with status 2.
@@ -10,54 +9,10 @@ it on one line and exit with status 2.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import importlib
-import types
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["parse_dataclass", "check_output_dir", "check_device", "check_model_ref",
-           "set_threads", "quiet_loading_bars"]
-
-
-def parse_dataclass(cls: type, argv: Sequence[str] | None, prog: str,
-                    defaults: dict[str, Any] | None = None) -> Any:
-    """Parse ``argv`` into an instance of the dataclass ``cls`` (``HfArgumentParser``, TRL's
-    convention); ``defaults`` replace the fields' defaults (a ``--config`` file)."""
-    parser = _dataclass_parser(cls, prog)
-    if defaults:
-        parser.set_defaults(**defaults)
-    config, rest = parser.parse_args_into_dataclasses(args=list(argv or []),
-                                                      return_remaining_strings=True)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return config
-
-
-def _dataclass_parser(cls: type, prog: str):
-    from transformers import HfArgumentParser
-
-    from lookahead_opd.cli import ArgumentParser
-
-    class Parser(ArgumentParser, HfArgumentParser):
-        @staticmethod
-        def _parse_dataclass_field(parser, field):
-            # HfArgumentParser passes a field's metadata to add_argument and gives ``--no_x``
-            # the help of ``--x`` ("show progress bars"): take our key out, and give the
-            # negated flag its own help, without a misleading "(default: False)".
-            meta = dict(field.metadata)
-            negated = meta.pop("negated_help", None)
-            field = copy.copy(field)
-            field.metadata = types.MappingProxyType(meta)
-            HfArgumentParser._parse_dataclass_field(parser, field)
-            last = parser._actions[-1]
-            if isinstance(last, argparse._StoreFalseAction):
-                last.help = negated or f"turn off: {meta.get('help', field.name)}"
-                last.default = argparse.SUPPRESS  # the positive flag holds the default
-
-    return Parser(cls, prog=prog)
+__all__ = ["check_output_dir", "check_device", "check_model_ref", "quiet_loading_bars"]
 
 
 def check_output_dir(path: str, option: str = "output_dir") -> None:
@@ -138,17 +93,6 @@ def _network_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(errors)
-
-
-def set_threads(threads: int | None) -> None:
-    """``torch.set_num_threads`` for the whole process (``None``: torch's default)."""
-    if threads is None:
-        return
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def quiet_loading_bars() -> None:

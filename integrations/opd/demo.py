@@ -22,50 +22,46 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lookahead_opd.options import option
+
+from ..cli_support import check_output_dir, quiet_loading_bars
+from .config import OPDConfig, parse_dataclass, with_defaults
+from .zoo import TEACHER_REGIMES, ZOO_SIZES
 
 __all__ = ["DemoConfig", "run_demo", "main", "format_table"]
 
 
-@dataclass
-class DemoConfig:
-    """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass)."""
+# The demo's defaults where they differ from a training run's. From
+# benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher in 600
+# steps; at 256 both plain OPD and EffOPD did, in 330-360 steps. The loss is the full-vocabulary
+# reverse_kl: the sampled-token reverse_kl_pg barely learns this task from a near one-hot teacher.
+_DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=450, batch_size=256,
+                              learning_rate=1e-3, warmup_steps=4, loss="reverse_kl")
 
-    output_dir: str = field(default="runs/demo", metadata={"help": "results.json and the plot go here"})
-    cache_dir: str | None = field(default=None, metadata={
-        "help": "model cache (default $LOOKAHEAD_OPD_CACHE or ~/.cache/lookahead-opd)"})
-    task: str = field(default="arithmetic", metadata={"help": "task spec of the built models"})
-    size: str = field(default="tiny", metadata={"help": "model size in the zoo"})
-    teacher_regime: str = field(default="same-base", metadata={"help": "same-base | independent"})
-    seed: int = field(default=0, metadata={"help": "seed of the model build and both OPD runs"})
-    # From benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher
-    # in 600 steps; at 256 both plain OPD and EffOPD did, in 330-360 steps.
-    max_steps: int = field(default=450, metadata={"help": "OPD steps per run"})
-    batch_size: int = field(default=256, metadata={"help": "prompts per step"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
-    warmup_steps: int = field(default=4, metadata={"help": "linear warmup steps"})
-    optimizer: str = field(default="adamw", metadata={"help": "adamw | adam | sgd"})
-    loss: str = field(default="reverse_kl", metadata={
-        "help": "reverse_kl (full vocabulary; the sampled-token reverse_kl_pg barely learns this task "
-                "from a near one-hot teacher, see benchmarks/results/speedup.md) | reverse_kl_pg | jsd"})
-    gate: str = field(default="accuracy", metadata={"help": "accuracy | neg_kl"})
-    gate_size: int = field(default=50, metadata={"help": "problems in the gate set"})
-    coefficients: str = field(default="geometric", metadata={"help": "geometric | linear | numbers"})
-    eval_every: int = field(default=10, metadata={"help": "measure accuracy every N steps"})
-    eval_size: int = field(default=200, metadata={"help": "held-out problems for the measurement"})
-    target_fraction: float = field(default=0.9, metadata={"help": "target = this × teacher accuracy"})
-    export_dir: str | None = field(default=None, metadata={
-        "help": "copy the student and teacher here, as student/ and teacher/, for "
-                "`lookahead-opd train` (default: <output_dir>/models)"})
-    threads: int | None = field(default=1, metadata={
-        "help": "torch threads for the whole command, the model build included (None: torch's "
-                "default; one thread was no slower on 2 cores, see benchmarks/results/threads.md)"})
-    quick: bool = field(default=False, metadata={"help": "a smaller configuration, for CI"})
-    progress: bool = field(default=True, metadata={
-        "help": "show progress bars",
-        "negated_help": "no progress bars (the build, both runs, and model loading and writing)"})
+
+@dataclass
+class DemoConfig(_DemoDefaults):
+    """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass): every
+    ``OPDConfig`` option of both runs, plus how the models are built and the target. The demo
+    sets ``student``, ``teacher`` (the built pair), ``extrapolate`` (one run each) and each
+    run's ``output_dir`` (under this one) itself."""
+
+    cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
+                                   "~/.cache/lookahead-opd)")
+    size: str = option("tiny", "model size in the zoo", choices=tuple(ZOO_SIZES))
+    teacher_regime: str = option(TEACHER_REGIMES[0], "teacher", choices=TEACHER_REGIMES)
+    target_fraction: float = option(0.9, "target = this × teacher accuracy")
+    export_dir: str | None = option(None, "copy the student and teacher here, as student/ and "
+                                    "teacher/, for `lookahead-opd train` (default: "
+                                    "<output_dir>/models)")
+    threads: int | None = option(1, "torch threads for the whole command, the model build "
+                                 "included (one thread was no slower on a shared 2-core machine: "
+                                 "benchmarks/results/threads.md)", minimum=1)
+    quick: bool = option(False, "a smaller configuration, for CI")
 
     def apply_quick(self) -> DemoConfig:
         """The CI configuration: fewer steps, smaller sets, same code path."""
@@ -75,60 +71,39 @@ class DemoConfig:
                                    gate_size=min(self.gate_size, 20), eval_size=min(self.eval_size, 50),
                                    eval_every=min(self.eval_every, 2))
 
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option; nothing is built or loaded."""
-        from ..cli_support import check_output_dir
-        from .zoo import ZOO_SIZES
-
-        if self.teacher_regime not in ("same-base", "independent"):
-            raise ValueError(f"teacher_regime must be same-base or independent, "
-                             f"got {self.teacher_regime!r}")
-        if self.size not in ZOO_SIZES:
-            raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {self.size!r}")
+    def validate(self, *, check_paths: bool = True) -> None:
+        """Raise ``ValueError`` naming the first bad option; nothing is built or loaded (the
+        models are the demo's own, so ``student`` and ``teacher`` are not checked)."""
+        super().validate(check_paths=False)
         if not 0 < self.target_fraction <= 1:
             raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        check_output_dir(self.output_dir)
-        check_output_dir(self.models_dir(), "export_dir")
-        _opd_config(self, "", "", extrapolate=True).validate(check_paths=False)
+        if check_paths:
+            check_output_dir(self.output_dir)
+            check_output_dir(str(self.models_dir()), "export_dir")
 
     def models_dir(self) -> Path:
+        """Where the built student and teacher are copied."""
         return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "models"
-
-
-def _opd_config(cfg: DemoConfig, student: str, teacher: str, *, extrapolate: bool):
-    """The ``OPDConfig`` of one of the demo's two runs (each run's output is remade, so an
-    earlier demo's is overwritten)."""
-    from .config import OPDConfig
-
-    name = "effopd" if extrapolate else "opd"
-    return OPDConfig(
-        student=student, teacher=teacher, task=cfg.task,
-        output_dir=str(Path(cfg.output_dir) / name), batch_size=cfg.batch_size,
-        loss=cfg.loss, optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, extrapolate=extrapolate,
-        gate=cfg.gate, gate_size=cfg.gate_size, coefficients=cfg.coefficients,
-        eval_every=cfg.eval_every, eval_size=cfg.eval_size, seed=cfg.seed, progress=cfg.progress,
-        overwrite_output_dir=True,
-    )
 
 
 def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
     from .compare import run_variant
     from .tasks import load_task
 
-    config = _opd_config(cfg, models["student_path"], models["teacher_path"],
-                         extrapolate=extrapolate)
+    name = "effopd" if extrapolate else "opd"
+    config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
+                          "student": models["student_path"], "teacher": models["teacher_path"],
+                          "output_dir": str(Path(cfg.output_dir) / name),
+                          "extrapolate": extrapolate, "resume": False,
+                          "overwrite_output_dir": True})  # each demo remakes its runs
     return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
                        models["tokenizer"], engine_batch_size=256)
 
 
 def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path, Path]:
     """Copy the two saved models to ``export_dir``/student and /teacher (replacing an earlier
-    export), a stable place for ``lookahead-opd train``; the cache's names change with the
-    build's parameters."""
+    export): a stable place for ``lookahead-opd train``, where the cache's folder names change
+    with the build's parameters."""
     out = []
     for src, name in ((student, "student"), (teacher, "teacher")):
         dst = export_dir / name
@@ -257,15 +232,16 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli_support import parse_dataclass, quiet_loading_bars, set_threads
+    import torch
 
     try:  # bad input: one clear line and status 2, before anything is built or loaded
-        cfg = parse_dataclass(DemoConfig, argv, "lookahead-opd demo")
+        cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
         cfg.validate()
     except ValueError as err:
         print(f"lookahead-opd demo: {err}", file=sys.stderr)
         return 2
-    set_threads(cfg.threads)
+    if cfg.threads is not None:  # the command's choice, for the whole process
+        torch.set_num_threads(cfg.threads)
     if not cfg.progress:
         quiet_loading_bars()
     results = run_demo(cfg)
