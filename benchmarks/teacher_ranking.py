@@ -161,7 +161,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
                      max_new: int) -> float:
     """Greedy exact match by repeated full forwards (works for ``ContextTeacher`` too)."""
     from lookahead_opd.integrations.opd.engines import tokenize_prompts
-    from lookahead_opd.integrations.opd.trainer import sequence_logits
+    from lookahead_opd.integrations.opd.scoring import sequence_logits
 
     rows = tokenize_prompts(tok, [p.prompt for p in problems])
     done = [False] * len(rows)
@@ -184,7 +184,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
 def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.opd.zoo import cache_root
     from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
@@ -206,7 +206,7 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     paths["minus"] = _other_op(root, student_path, "-", c["minus_steps"], seed)
     build_seconds = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(student_path)
-    all_problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
 
     names = [*paths, "self:solution", "copy"]
 

@@ -99,12 +99,12 @@ def _sft_batch(tokenizer: Any, problems: list[Problem], task: Task) -> tuple[tor
 
 def greedy_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,
                     batch_size: int = 512, max_new_tokens: int | None = None) -> float:
-    """Exact-match accuracy of ``model``'s greedy completions (``trainer.greedy_accuracy``
+    """Exact-match accuracy of ``model``'s greedy completions (``scoring.greedy_accuracy``
     through an ``HFEngine`` over the module)."""
-    from . import trainer
+    from . import scoring
     from .engines import HFEngine
 
-    return trainer.greedy_accuracy(HFEngine(model, tokenizer, batch_size=batch_size), task, problems,
+    return scoring.greedy_accuracy(HFEngine(model, tokenizer, batch_size=batch_size), task, problems,
                                    max_new_tokens or task.max_new_tokens)
 
 

@@ -64,7 +64,7 @@ class DiagnoseConfig:
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
-        from lookahead_opd.integrations.opd.tasks import load_task
+        from lookahead_opd.integrations.opd.tasks import SPLITS, load_task
 
         from ..cli_support import check_device, check_model_ref, check_output_dir
         from .diagnose import check_options
@@ -87,9 +87,8 @@ class DiagnoseConfig:
             raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
         specs = [parse_teacher_spec(t) for t in self.teacher]
         task = load_task(self.task)
-        pool = task.all_problems(self.split) if self.split in ("train", "gate", "test") else None
-        if pool is None:
-            raise ValueError(f"split must be train, gate or test; got {self.split!r}")
+        check_choice("split", self.split, SPLITS)
+        pool = task.all_problems(self.split)
         if not pool:
             raise ValueError(
                 f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
@@ -126,7 +125,7 @@ def prepare(config: DiagnoseConfig):
     """Validate and check every teacher's tokenizer against the student's (tokenizers are
     cheap: all are checked before any weights load). Returns the student's tokenizer."""
     config.validate()
-    from lookahead_opd.integrations.opd.losses import check_vocab_compatible
+    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoTokenizer
 
     from .teachers import parse_teacher_spec
