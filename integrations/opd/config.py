@@ -108,6 +108,10 @@ class OPDConfig(EffOPDOptions):
     seed: int = option(0, "seed of the prompt order, rollouts and init")
     dtype: str = option("float32", "model dtype", choices=DTYPES)
     device: str = option("cpu", "torch device for the student and teacher")
+    threads: int | None = option(1, "torch CPU threads of the command (set by the CLI, not by "
+                                 "OPDTrainer; as torchrun does, 1: on a shared 2-core machine it "
+                                 "was faster than torch's default, benchmarks/results/threads.md)",
+                                 minimum=1)
     progress: bool = option(True, "show progress bars",
                             negated_help="no progress bars (training, and model loading and "
                                          "writing)")
@@ -197,8 +201,9 @@ def with_defaults(cls: type, **defaults: Any) -> type:
     return sub
 
 
-def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
-    """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win)."""
+def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None) -> OPDConfig:
+    """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win);
+    ``epilog`` ends ``--help``."""
     args = list(argv or [])
     base: dict[str, Any] = {}
     if "--config" in args:
@@ -208,17 +213,17 @@ def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
         base = _read_config_file(args[i + 1])
         del args[i : i + 2]
     return parse_dataclass(OPDConfig, args, prog="lookahead-opd train",
-                           defaults=dataclasses.asdict(OPDConfig(**base)))
+                           defaults=dataclasses.asdict(OPDConfig(**base)), epilog=epilog)
 
 
 def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
-                    defaults: dict[str, Any] | None = None) -> Any:
+                    defaults: dict[str, Any] | None = None, epilog: str | None = None) -> Any:
     """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
     field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
     fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
     checked by the config itself, with its own messages. A parse error is one line (a
     ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
-    (the field's ``negated_help``)."""
+    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written."""
     import argparse
 
     from transformers import HfArgumentParser
@@ -228,6 +233,9 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
     class Parser(ArgumentParser, HfArgumentParser):
         pass
 
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     plain = dataclasses.make_dataclass(cls.__name__, [
@@ -235,14 +243,14 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
             default=f.default, default_factory=f.default_factory,
             metadata={"help": f.metadata.get("help", "")}))
         for f in fields.values()])
-    parser = Parser(plain, prog=prog)
+    parser = Parser(plain, prog=prog, epilog=epilog, formatter_class=Formatter)
+    if defaults:
+        parser.set_defaults(**defaults)
     for action in parser._actions:  # HfArgumentParser gives --no_x the help of --x
         if isinstance(action, argparse._StoreFalseAction) and action.dest in fields:
             meta = fields[action.dest].metadata
             action.help = meta.get("negated_help") or f"turn off: {meta.get('help', '')}"
-            action.default = argparse.SUPPRESS  # --x holds the default; "(default: False)" misled
-    if defaults:
-        parser.set_defaults(**defaults)
+            action.default = argparse.SUPPRESS  # --x holds the default; no "(default: ...)"
     parsed, rest = parser.parse_args_into_dataclasses(args=list(args),
                                                       return_remaining_strings=True)
     if rest:

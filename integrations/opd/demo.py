@@ -58,9 +58,6 @@ class DemoConfig(_DemoDefaults):
     export_dir: str | None = option(None, "copy the student and teacher here, as student/ and "
                                     "teacher/, for `lookahead-opd train` (default: "
                                     "<output_dir>/models)")
-    threads: int | None = option(1, "torch threads for the whole command, the model build "
-                                 "included (one thread was no slower on a shared 2-core machine: "
-                                 "benchmarks/results/threads.md)", minimum=1)
     quick: bool = option(False, "a smaller configuration, for CI")
 
     def apply_quick(self) -> DemoConfig:

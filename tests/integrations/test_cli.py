@@ -206,3 +206,116 @@ def test_resume_past_a_truncated_checkpoint(tmp_path, capsys, models):
     assert (out / "latest").read_text().strip() == "checkpoint-5"
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1, 2, 3, 4, 5]  # steps 3-4 trained again from checkpoint-2
+
+
+def test_zoo_removes_killed_builds_through_the_demo(tmp_path, capsys):
+    """The demo (--quick, on the cached pair) removes the work folders of killed zoo builds:
+    the process gone or untouched for an hour; a live build's folder stays. It exports the
+    models to a stable place and prints it; ``train`` runs on them."""
+    pytest.importorskip("matplotlib")
+    from lookahead_opd.integrations.opd.zoo import build_pair
+
+    pair = build_pair(progress=False)  # the default cache: built once, then cached
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / pair.student_path.parent.name).symlink_to(pair.student_path.parent)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = {f".a.tmp-{gone}-x1": False, f".b.tmp-{os.getpid()}-x2": True,  # live: kept
+             ".c.tmp-oldrand1": False, ".d.tmp-newrand2": True}  # no pid: by age
+    for name in stale:
+        (cache / name / "student").mkdir(parents=True)
+    old = os.path.getmtime(cache) - 7200
+    for p in (cache / ".c.tmp-oldrand1", cache / ".c.tmp-oldrand1" / "student"):
+        os.utime(p, (old, old))
+
+    out, models = tmp_path / "demo", tmp_path / "models"
+    torch.set_num_threads(2)
+    try:
+        assert cli.main(["demo", "--quick", "--output_dir", str(out), "--cache_dir", str(cache),
+                         "--export_dir", str(models), "--no_progress"]) == 0
+        assert torch.get_num_threads() == 1  # the CLIs' default (benchmarks/results/threads.md)
+    finally:
+        torch.set_num_threads(1)
+    printed, err = capsys.readouterr()
+    assert "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
+    assert {p.name for p in cache.iterdir() if p.name.startswith(".")} == {
+        name for name, kept in stale.items() if kept}
+    assert f"--student {models / 'student'} --teacher {models / 'teacher'}" in printed
+    for role in ("student", "teacher"):
+        assert (models / role / "config.json").is_file()
+        assert (models / role / "model.safetensors").read_bytes() == (
+            pair.student_path.parent / role / "model.safetensors").read_bytes()
+    _run(capsys, _train_args({"student": str(models / "student"),
+                              "teacher": str(models / "teacher")}, tmp_path / "train"), 0)
+
+
+# --------------------------------------------------------------------------- 4-6. threads, help
+@pytest.fixture
+def loading_bars():
+    """Model loading bars on for the test, as in a fresh process, and on again after it
+    (``--no_progress`` turns them off for the whole process)."""
+    from transformers.utils import logging
+
+    logging.enable_progress_bar()
+    yield
+    logging.enable_progress_bar()
+
+
+def test_no_progress_silences_every_bar_and_one_thread(tmp_path, capsys, models,
+                                                      loading_bars):
+    assert cli.main(_train_args(models, tmp_path / "a", "--progress", "true")) == 0
+    assert "Loading weights" in capsys.readouterr().err  # the bars exist ...
+    torch.set_num_threads(2)
+    try:
+        _run(capsys, _train_args(models, tmp_path / "b"), 0)
+        assert capsys.readouterr().err == ""  # ... and --no_progress turns every one off
+        assert torch.get_num_threads() == 1  # the default --threads
+        torch.set_num_threads(2)
+        assert cli.main(["toy", "--steps", "2"]) == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(1)
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """``--flag`` -> its help text, from argparse's --help output."""
+    entries: dict[str, str] = {}
+    key = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            head, _, rest = line.strip().partition("  ")
+            key = head.split(",")[0].split(" ")[0]
+            entries[key] = rest.strip()
+        elif key and line.startswith("      "):
+            entries[key] = f"{entries[key]} {line.strip()}".strip()
+        else:
+            key = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["train", "demo", "diagnose"])
+def test_negated_flags_say_what_they_do(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    entries = _help_entries(capsys.readouterr().out)
+    negated = [flag for flag in entries if flag.startswith("--no_")]
+    assert "--no_progress" in negated
+    for flag in negated:
+        positive = entries["--" + flag[len("--no_"):]]
+        assert entries[flag] and entries[flag] != positive and "default" not in entries[flag]
+
+
+def test_local_start_in_help_and_readme(capsys):
+    from lookahead_opd.integrations.opd.train import LOCAL_START
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    shown = capsys.readouterr().out
+    command = [line.strip() for line in LOCAL_START.splitlines()
+               if line.strip().startswith(("lookahead-opd train", "--"))][:3]
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert command[0].startswith("lookahead-opd train --student runs/demo/models/student")
+    for line in command:
+        assert line in shown and line in readme, line
+    assert "--resume" in readme and "--overwrite_output_dir" in readme
