@@ -1,15 +1,15 @@
-"""How many torch threads the cached demo wants: ``lookahead-opd demo`` timed at 1 and 2 threads.
+"""How many torch threads the commands want: ``lookahead-opd demo`` (models cached) or ``toy``
+timed at 1 and 2 threads.
 
-Each run is the whole CLI in a fresh process (the models already cached), so the time is what a
-user waits for. The thread counts alternate (1, 2, 2, 1, 1, 2, ...) so that a change in the
+Each run is the whole CLI in a fresh process, so the time is what a user waits for. The thread counts alternate (1, 2, 2, 1, 1, 2, ...) so that a change in the
 machine's load during the benchmark falls on both sides; the load average before each run is
 recorded next to its time. Reported: wall-clock per run, the per-pair ratio 2-thread / 1-thread
 (min-max), and the demo's own training seconds.
 
-    python benchmarks/threads.py                 # 3 pairs, ~15-25 min on 2 CPU cores
-    python benchmarks/threads.py --pairs 1       # one pair
+    python benchmarks/threads.py                 # the demo, 3 pairs, ~15-25 min on 2 idle cores
+    python benchmarks/threads.py --command toy --pairs 5 --stem threads_toy
 
-Results go to benchmarks/results/threads.{json,md}, rewritten after every run; a rerun with the
+Results go to benchmarks/results/<stem>.{json,md}, rewritten after every run; a rerun with the
 same options continues where the last one stopped.
 """
 
@@ -43,24 +43,27 @@ def _order(pairs: int) -> list[int]:
     return out
 
 
-def _run_demo(threads: int, extra: list[str]) -> dict[str, Any]:
+def _run(command: str, threads: int, extra: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
-        cmd = ["lookahead-opd", "demo", "--threads", str(threads), "--output_dir", out,
-               "--no_progress", *extra]
+        cmd = ["lookahead-opd", command, "--threads", str(threads), *extra]
+        if command == "demo":
+            cmd += ["--output_dir", out, "--no_progress"]
         load = os.getloadavg()
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-        res = json.loads(open(os.path.join(out, "results.json")).read())
-    runs = res["runs"]
+        train = None
+        if command == "demo":
+            runs = json.loads(open(os.path.join(out, "results.json")).read())["runs"]
+            train = {k: max(r["train_seconds"].values()) for k, r in runs.items()}
     return {"threads": threads, "wall_seconds": wall, "loadavg_before": list(load),
-            "train_seconds": {k: max(r["train_seconds"].values()) for k, r in runs.items()},
-            "command": " ".join(shlex.quote(c) for c in cmd)}
+            "train_seconds": train, "command": " ".join(shlex.quote(c) for c in cmd)}
 
 
 def _report(data: dict[str, Any]) -> str:
     runs = data["runs"]
     rows = [[i + 1, r["threads"], f"{r['wall_seconds']:.1f}",
+             "—" if r["train_seconds"] is None else
              f"{r['train_seconds']['opd']:.1f} / {r['train_seconds']['effopd']:.1f}",
              f"{r['loadavg_before'][0]:.2f}"] for i, r in enumerate(runs)]
     ratios = [runs[i + 1]["wall_seconds"] / runs[i]["wall_seconds"] if runs[i]["threads"] == 1
@@ -68,11 +71,12 @@ def _report(data: dict[str, Any]) -> str:
               for i in range(0, len(runs) - 1, 2)]
     m = data["machine"]
     lines = [
-        "# The cached demo at 1 and 2 torch threads",
+        f"# `lookahead-opd {data['options']['command']}` at 1 and 2 torch threads",
         "",
-        f"Command: `{m['command']}` (each run: `lookahead-opd demo --threads T --no_progress`, "
-        f"a fresh process, models cached). {m.get('cpu_count')} CPU cores ({m.get('cpu_model')}), "
-        f"torch {m['torch']}, {m['date']}.",
+        f"Command: `{m['command']}` (each run: `{runs[0]['command'] if runs else ''}` with T = "
+        f"1 or 2, a fresh process{', models cached' if data['options']['command'] == 'demo' else ''}"
+        f"). {m.get('cpu_count')} CPU cores ({m.get('cpu_model')}), torch {m['torch']}, "
+        f"{m['date']}.",
         "",
         markdown_table(["run", "threads", "wall-clock s", "train s (OPD / EffOPD)",
                         "load avg before"], rows),
@@ -93,8 +97,9 @@ def _report(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--command", default="demo", choices=("demo", "toy"), help="what to time")
     p.add_argument("--pairs", type=int, default=3, help="pairs of runs (1 and 2 threads)")
-    p.add_argument("--demo_args", default="", help="extra demo options, e.g. '--quick'")
+    p.add_argument("--demo_args", default="", help="extra options of the command, e.g. '--quick'")
     p.add_argument("--stem", default="threads", help="results file name")
     a = p.parse_args(argv)
     extra = shlex.split(a.demo_args)
@@ -102,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     data: dict[str, Any] = {"machine": machine_info(torch.device("cpu")), "runs": []}
     if os.path.exists(path):
         old = json.loads(open(path).read())
-        if old.get("options") == {"pairs": a.pairs, "demo_args": a.demo_args}:
+        if {**old.get("options", {}), "command": old.get("options", {}).get("command", "demo")} \
+                == {"command": a.command, "pairs": a.pairs, "demo_args": a.demo_args}:
             data["runs"] = old["runs"]
-    data["options"] = {"pairs": a.pairs, "demo_args": a.demo_args}
+    data["options"] = {"command": a.command, "pairs": a.pairs, "demo_args": a.demo_args}
     order = _order(a.pairs)
     for i in range(len(data["runs"]), len(order)):
-        r = _run_demo(order[i], extra)
+        r = _run(a.command, order[i], extra)
         data["runs"].append(r)
         print(f"run {i + 1}/{len(order)}: {r['threads']} thread(s) {r['wall_seconds']:.1f} s "
               f"(load {r['loadavg_before'][0]:.2f})", flush=True)
