@@ -12,8 +12,8 @@ On the embedded arithmetic task (2-digit addition, the zoo's tiny Qwen2 base as 
 4. the Spearman correlation, across teachers, between each diagnostic score and the realised
    accuracy gain, and the diagnostic's wall-clock as a fraction of the OPD runs.
 
-    python benchmarks/teacher_ranking.py            # the committed results (~10 min on 2 cores)
-    python benchmarks/teacher_ranking.py --quick    # smoke test (~1 min), results not committed
+    python -m benchmarks.teacher_ranking            # the committed results (~10 min on 2 cores)
+    python -m benchmarks.teacher_ranking --quick    # smoke test (~1 min), results not committed
 
 Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
 ``--quick``). Extra teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
@@ -35,9 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import machine_info, markdown_table, write_results  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, write_results
 
 FULL = dict(questions=64, samples_per_question=2, budget=8_000, top_k=4, continuations=8,
             thresholds=dict(student=0.2, short=0.5, mid=0.8, long=0.95), every=50,
