@@ -43,14 +43,19 @@ def _order(pairs: int) -> list[int]:
     return out
 
 
-def _run(command: str, threads: int, extra: list[str]) -> dict[str, Any]:
+def _run(command: str, threads: int, extra: list[str], timeout: float | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         cmd = ["lookahead-opd", command, "--threads", str(threads), *extra]
         if command == "demo":
             cmd += ["--output_dir", out, "--no_progress"]
         load = os.getloadavg()
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        try:
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=timeout)
+        except subprocess.TimeoutExpired:  # recorded as "more than this"
+            return {"threads": threads, "wall_seconds": time.perf_counter() - t0, "stopped": True,
+                    "loadavg_before": list(load), "train_seconds": None,
+                    "command": " ".join(shlex.quote(c) for c in cmd)}
         wall = time.perf_counter() - t0
         train = None
         if command == "demo":
@@ -62,7 +67,8 @@ def _run(command: str, threads: int, extra: list[str]) -> dict[str, Any]:
 
 def _report(data: dict[str, Any]) -> str:
     runs = data["runs"]
-    rows = [[i + 1, r["threads"], f"{r['wall_seconds']:.1f}",
+    rows = [[i + 1, r["threads"],
+             f"> {r['wall_seconds']:.0f} (stopped)" if r.get("stopped") else f"{r['wall_seconds']:.1f}",
              "—" if r["train_seconds"] is None else
              f"{r['train_seconds']['opd']:.1f} / {r['train_seconds']['effopd']:.1f}",
              f"{r['loadavg_before'][0]:.2f}"] for i, r in enumerate(runs)]
@@ -83,9 +89,11 @@ def _report(data: dict[str, Any]) -> str:
         "",
     ]
     if ratios:
+        bound = any(r.get("stopped") for r in runs[: 2 * len(ratios)])
         lines.append(f"Wall-clock 2 threads / 1 thread, per adjacent pair: "
                      f"{', '.join(f'{r:.2f}' for r in ratios)} (min {min(ratios):.2f}, "
-                     f"max {max(ratios):.2f}); above 1 means one thread was faster.")
+                     f"max {max(ratios):.2f}){'; a stopped run makes its ratio a bound' if bound else ''}"
+                     f"; above 1 means one thread was faster.")
         lines.append("")
     lines.append(
         "Caveat: the machine was shared with other jobs while this ran (the load average is "
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=3, help="pairs of runs (1 and 2 threads)")
     p.add_argument("--demo_args", default="", help="extra options of the command, e.g. '--quick'")
     p.add_argument("--stem", default="threads", help="results file name")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop a run after this many seconds and record it as 'more than'")
+    p.add_argument("--report", action="store_true", help="rewrite the table from the json only")
     a = p.parse_args(argv)
     extra = shlex.split(a.demo_args)
     path = os.path.join(RESULTS, a.stem + ".json")
@@ -111,9 +122,14 @@ def main(argv: list[str] | None = None) -> int:
                 == {"command": a.command, "pairs": a.pairs, "demo_args": a.demo_args}:
             data["runs"] = old["runs"]
     data["options"] = {"command": a.command, "pairs": a.pairs, "demo_args": a.demo_args}
+    if a.report:
+        data = json.loads(open(path).read())
+        write_results(RESULTS, a.stem, data, _report(data))
+        print(_report(data))
+        return 0
     order = _order(a.pairs)
     for i in range(len(data["runs"]), len(order)):
-        r = _run(a.command, order[i], extra)
+        r = _run(a.command, order[i], extra, a.timeout)
         data["runs"].append(r)
         print(f"run {i + 1}/{len(order)}: {r['threads']} thread(s) {r['wall_seconds']:.1f} s "
               f"(load {r['loadavg_before'][0]:.2f})", flush=True)
