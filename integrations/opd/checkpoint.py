@@ -4,8 +4,14 @@ A checkpoint is written under a temporary name and renamed, then ``latest`` (a o
 naming the newest) is replaced atomically; a kill at any moment leaves the previous checkpoint
 loadable. Two are kept: the one just written and the newest before it. On resume a checkpoint
 whose files do not load (a truncated write, a bad disk) is renamed ``corrupt-checkpoint-<step>``,
-out of the pruning's way, and the newest one that loads is used instead. The student's weights are ``save_pretrained`` safetensors
-(loadable by any Hugging Face tool); the trainer's state is one ``torch.save`` file beside them.
+out of the pruning's way, and the newest one that loads is used instead. The student's weights
+are ``save_pretrained`` safetensors (loadable by any Hugging Face tool); the trainer's state is
+one ``torch.save`` file beside them.
+
+A sharded student (``fsdp``) is written by every rank at once: the student and the optimizer
+through ``torch.distributed.checkpoint`` (each rank its shards, under ``dcp/``), plus one
+``rank<r>.pt`` per rank for what is that rank's own (EffOPD's anchor shards, its gate rollouts,
+its RNG). Rank 0 then renames the directory, so the same atomicity holds.
 """
 
 from __future__ import annotations
@@ -21,19 +27,21 @@ import torch
 from torch import nn
 
 __all__ = ["write_checkpoint", "latest_checkpoint", "read_checkpoint", "read_newest_checkpoint",
-           "set_aside", "earlier_run", "clear_earlier_run"]
+           "set_aside", "earlier_run", "clear_earlier_run", "write_sharded_checkpoint",
+           "read_sharded_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 STATE = "trainer_state.pt"
 CONFIG = "opd_config.json"
+SHARDS = "dcp"
 
 
 def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer: Any,
                      state: dict[str, Any], config: Any) -> Path:
     """Write ``output_dir/checkpoint-<step>`` atomically, point ``latest`` at it, drop all
-    but the newest two; return its path. ``config`` needs a ``save(path)`` method."""
+    but it and the newest before it; return its path. ``config`` needs a ``save(path)`` method."""
     final = output_dir / f"checkpoint-{step}"
     output_dir.mkdir(parents=True, exist_ok=True)
     tmp = output_dir / f".tmp-checkpoint-{step}-{os.getpid()}"
@@ -44,6 +52,13 @@ def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer
         tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE)
     config.save(tmp / CONFIG)
+    _publish(output_dir, tmp, final)
+    return final
+
+
+def _publish(output_dir: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, keep it and the newest
+    before it."""
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -54,11 +69,63 @@ def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer
     _fsync_dir(output_dir)
     # Keep this one and the newest before it. Never by name order alone: a resumed run can find
     # higher steps of the run it resumed (past a damaged checkpoint), which are not its own.
-    older = [p for p in _checkpoints(output_dir) if _step_of(p) < step]
+    older = [p for p in _checkpoints(output_dir) if _step_of(p) < _step_of(final)]
     for old in _checkpoints(output_dir):
         if old != final and old != (older[-1] if older else None):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def write_sharded_checkpoint(output_dir: Path, step: int, *, model: nn.Module,
+                             optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                             rank_state: dict[str, Any], ranks: Any, tokenizer: Any,
+                             config: Any) -> Path:
+    """``write_checkpoint`` for a sharded student; collective (every rank calls it). ``state``
+    is the same on every rank (rank 0 writes it), ``rank_state`` is each rank's own;
+    ``optimizer`` is the base ``torch.optim`` optimizer."""
+    from .sharding import save_state
+
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}"  # one name for all ranks
+    if ranks.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers
+        tmp.mkdir()
+    ranks.barrier()
+    save_state(tmp / SHARDS, model, optimizer)
+    _save_synced(rank_state, tmp / f"rank{ranks.rank}.pt")
+    ranks.barrier()
+    if ranks.is_main:
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        _save_synced({**state, "world": ranks.world}, tmp / STATE)
+        config.save(tmp / CONFIG)
+        _publish(output_dir, tmp, final)
+    ranks.barrier()
     return final
+
+
+def read_sharded_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            ranks: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load a sharded checkpoint's student and optimizer shards (collective); return the
+    shared state and this rank's own. The per-rank state (EffOPD's anchor shards) fits only
+    the world size it was written with."""
+    from .sharding import load_state
+
+    if not (path / SHARDS).is_dir():
+        raise FileNotFoundError(f"checkpoint {path} has no {SHARDS}/ (not written with fsdp)")
+    state = torch.load(path / STATE, weights_only=False)
+    if state["world"] != ranks.world:
+        raise ValueError(f"checkpoint {path} was written by {state['world']} ranks; resume it "
+                         f"with as many (this run has {ranks.world})")
+    load_state(path / SHARDS, model, optimizer)
+    return state, torch.load(path / f"rank{ranks.rank}.pt", weights_only=False)
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
