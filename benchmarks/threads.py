@@ -75,6 +75,9 @@ def _report(data: dict[str, Any]) -> str:
     ratios = [runs[i + 1]["wall_seconds"] / runs[i]["wall_seconds"] if runs[i]["threads"] == 1
               else runs[i]["wall_seconds"] / runs[i + 1]["wall_seconds"]
               for i in range(0, len(runs) - 1, 2)]
+    shown = [(">" if runs[2 * k].get("stopped") or runs[2 * k + 1].get("stopped") else "")
+             + f"{r:.2f}" for k, r in enumerate(ratios)]
+    planned = 2 * data["options"]["pairs"]
     m = data["machine"]
     lines = [
         f"# `lookahead-opd {data['options']['command']}` at 1 and 2 torch threads",
@@ -87,17 +90,20 @@ def _report(data: dict[str, Any]) -> str:
         markdown_table(["run", "threads", "wall-clock s", "train s (OPD / EffOPD)",
                         "load avg before"], rows),
         "",
+        *[f"Run {i + 1}: {r['note']}." for i, r in enumerate(runs) if r.get("note")],
+        *([f"{len(runs)} of the {planned} runs planned were made.", ""]
+          if len(runs) < planned else [""]),
     ]
     if ratios:
         bound = any(r.get("stopped") for r in runs[: 2 * len(ratios)])
         lines.append(f"Wall-clock 2 threads / 1 thread, per adjacent pair: "
-                     f"{', '.join(f'{r:.2f}' for r in ratios)} (min {min(ratios):.2f}, "
-                     f"max {max(ratios):.2f}){'; a stopped run makes its ratio a bound' if bound else ''}"
+                     f"{', '.join(shown)} (min {min(ratios):.2f}, max {max(ratios):.2f})"
+                     f"{'; a stopped run makes its ratio a lower bound' if bound else ''}"
                      f"; above 1 means one thread was faster.")
         lines.append("")
     lines.append(
         "Caveat: the machine was shared with other jobs while this ran (the load average is "
-        "the column above), so this is not the demo alone; alternating the order puts the "
+        "the column above), so this is not the command alone; alternating the order puts the "
         "background load on both sides, but a 2-thread run is hurt more by a busy second "
         "core than a 1-thread run is.")
     return "\n".join(lines)
