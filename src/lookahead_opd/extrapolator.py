@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import distributed
 from .schedule import CoefficientSpec, ScheduleSpec, make_schedule, resolve_coefficients
+from .sketch import SecantSketch
 from .snapshot import FullSnapshot, LowRankSnapshot, ReferenceSpec, SnapshotStore
 
 __all__ = ["Extrapolator", "JumpRecord", "ParamsSpec"]
@@ -47,7 +48,10 @@ _STATE_VERSION = 1
 @dataclass
 class JumpRecord:
     """What one search did. ``accepted`` is the kept coefficient, or ``None`` when the
-    weights were left at ``W_t``; ``scores[i]`` is the score of ``coefficients[i]``."""
+    weights were left at ``W_t``; ``scores[i]`` is the score of ``coefficients[i]``.
+    ``direction_norm`` is ``‖Δ‖`` (of the projected ``Δ`` with ``direction_rank``);
+    ``secant_cosine`` and ``norm_ratio`` compare ``Δ`` with the previous search's (see
+    ``lookahead_opd.sketch``), ``None`` at the first search."""
 
     step: int
     score_before: float
@@ -58,6 +62,8 @@ class JumpRecord:
     seconds: float = 0.0
     direction_norm: float = 0.0
     geometry: dict[str, float] | None = None
+    secant_cosine: float | None = None
+    norm_ratio: float | None = None
 
     @property
     def best_score(self) -> float:
@@ -202,6 +208,7 @@ class Extrapolator:
         self._params: list[Tensor] = []
         self._averages: list[Tensor] = []  # direction="averaged": running mean of this window
         self._window_count = 0
+        self.secant = SecantSketch(0)  # the previous search's direction, sketched
         self.add_params(params)
         if not self._params:
             raise ValueError("Extrapolator got no parameters to extrapolate")
@@ -228,6 +235,7 @@ class Extrapolator:
             self._window_count = 0
         self._names.extend(n for n, _ in named)
         self._params.extend(p for _, p in named)
+        self.secant.resize(sum(p.numel() for p in self._params))  # global sizes: same on all ranks
         with torch.no_grad():
             local = [distributed.local_tensor(p).detach() for _, p in named]
             self.store.add([n for n, _ in named], local)
@@ -281,10 +289,15 @@ class Extrapolator:
         src = self._averages[i] if self.direction == "averaged" else backup[i]
         return src.to(device=device, dtype=torch.float32)
 
+    def _direction(self, i: int, backup: Sequence[Tensor]) -> Tensor:
+        """``Δ`` of parameter ``i`` (its local shard), fp32, on the restore buffer's device."""
+        device = backup[i].device
+        return self._base(i, backup, device) - self.store.anchor(i, device)
+
     @torch.no_grad()
     def _apply(self, c: float | None, backup: Sequence[Tensor], measure: bool = False) -> float:
         """Write ``base + c·Δ`` into every parameter (``c=None``: restore ``W_t`` exactly).
-        With ``measure``, also return ``‖Δ‖`` (else 0)."""
+        With ``measure``, also return the norm of the projected ``Δ`` (else 0)."""
         sq = 0.0
         for i, p in enumerate(self._local()):
             if c is None:
@@ -298,8 +311,6 @@ class Extrapolator:
                 p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
                 continue
             anchor = self.store.anchor(i, p.device)
-            if measure:
-                sq += float(torch.sub(base, anchor).square().sum())
             # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
             p.copy_(torch.lerp(anchor, base, 1.0 + c))
         return math.sqrt(sq)
@@ -310,6 +321,13 @@ class Extrapolator:
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
         backup = [t.to(self._buffer_device or t.device, copy=True) for t in self._local()]
+        sketch = self.secant.measure(
+            ((i, self._direction(i, backup), distributed.shard_layout(p))
+             for i, p in enumerate(self._params)),
+            self.process_group,
+        )
+        record.direction_norm = math.sqrt(float(sketch[-1]))
+        record.secant_cosine, record.norm_ratio = self.secant.compare(sketch)
         try:
             best = record.score_before = self._score()
             record.n_evals = 1
@@ -324,10 +342,11 @@ class Extrapolator:
                     coefficients = tuple(c for c in coefficients if c != 0)
             if coefficients and self.direction_rank is not None:
                 self._projected = self._project(backup)
+            measure = self._projected is not None  # the projection shrinks ‖Δ‖
             for c in coefficients:
-                norm = self._apply(c, backup, measure=not record.coefficients)
-                if not record.coefficients:
-                    record.direction_norm = norm
+                norm = self._apply(c, backup, measure=measure)
+                if measure:
+                    record.direction_norm, measure = norm, False
                 score = self._score()
                 record.n_evals += 1
                 record.coefficients.append(c)
@@ -343,6 +362,7 @@ class Extrapolator:
             raise
         self._projected = None
         self._set_anchor(record.accepted is not None)
+        self.secant.remember(sketch)
         if record.accepted is not None and self.on_jump == "reset":
             for p in self._params:
                 self.optimizer.state.pop(p, None)  # type: ignore[union-attr]
@@ -392,10 +412,12 @@ class Extrapolator:
 
     # ------------------------------------------------------------------ memory and state
     def nbytes(self) -> dict[str, int]:
-        """Bytes held between searches: the anchor store and the running average."""
+        """Bytes held between searches: the anchor store, the running average and the
+        sketch of the previous direction."""
         return {
             "anchor": self.store.nbytes(),
             "average": sum(a.numel() * a.element_size() for a in self._averages),
+            "sketch": self.secant.nbytes(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -409,6 +431,7 @@ class Extrapolator:
             "anchor": self.store.state_dict(),
             "averages": list(self._averages),
             "window_count": self._window_count,
+            "secant": self.secant.state_dict(),
             "history": [r.to_dict() for r in self.history],
         }
 
@@ -431,6 +454,8 @@ class Extrapolator:
         ]
         self.step_count = int(state["step_count"])
         self._window_count = int(state["window_count"])
+        if "secant" in state:  # absent from states saved before the sketch existed
+            self.secant.load_state_dict(state["secant"])
         self.history = [JumpRecord.from_dict(r) for r in state["history"]]
 
     def __repr__(self) -> str:
@@ -448,9 +473,7 @@ class _LazyDirections(Mapping):
         self._index = {n: i for i, n in enumerate(ex._names)}
 
     def __getitem__(self, name: str) -> Tensor:
-        i = self._index[name]
-        device = self._backup[i].device
-        return self._ex._base(i, self._backup, device) - self._ex.store.anchor(i, device)
+        return self._ex._direction(self._index[name], self._backup)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)
