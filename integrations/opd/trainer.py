@@ -1,30 +1,27 @@
 """``OPDTrainer``: the reference on-policy distillation loop, readable top to bottom.
 
-One optimizer step:
-  1. sample ``batch_size`` training prompts (a fixed function of seed and step, so a resumed
-     run sees the same prompts);
-  2. roll the student out through the engine (temperature 1 by default);
-  3. score the sampled tokens with the student (with grad) and the teacher (no grad);
-  4. the loss (``losses.py``), normalised by the completion tokens of the whole step across
-     gradient accumulation; backward; clip; ``optimizer.step()`` — which, when
-     ``extrapolate=True``, is an ``ExtrapolatingOptimizer`` whose gate generates through the
-     same engine;
-  5. push the new weights to the engine, log a JSON line, evaluate / checkpoint on schedule.
-
-Checkpoints are directories ``checkpoint-<step>`` written under a temporary name and renamed,
-then ``latest`` (a one-line file naming the newest) is replaced atomically; a kill at any
-moment leaves the previous checkpoint loadable.
+One optimizer step (``train_step``) is rollout → score → update:
+  1. rollout: sample ``batch_size`` training prompts (a fixed function of seed and step, so a
+     resumed run sees the same prompts) and roll the student out through the engine
+     (temperature 1 by default);
+  2. score: the sampled tokens with the student (with grad) and the teacher (no grad), the
+     loss (``losses.py``) normalised by the completion tokens of the whole step across
+     gradient accumulation, backward;
+  3. update: clip, ``optimizer.step()`` — which, when ``extrapolate=True``, is an
+     ``ExtrapolatingOptimizer`` whose gate generates through the same engine.
+``train()`` then logs a JSON line (``metrics.py``), evaluates and checkpoints
+(``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``).
+Every generation goes through ``synced_engine``, the one place the student's weights reach
+the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lookahead_opd import ExtrapolatingOptimizer
 from lookahead_opd.selection import transformer_blocks
 
+from .checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from .config import OPDConfig
 from .engines import Engine, Rollout
 from .losses import (
@@ -50,14 +47,13 @@ from .losses import (
     shift_for_next_token,
     token_logprobs,
 )
+from .metrics import MetricsLog
+from .ranks import Ranks
 from .tasks import Problem, Task
 
 __all__ = ["OPDTrainer", "TrainResult", "sequence_logits", "greedy_accuracy"]
 
 logger = logging.getLogger(__name__)
-
-_LATEST = "latest"
-_STATE = "trainer_state.pt"
 
 
 @dataclass
@@ -91,9 +87,9 @@ class OPDTrainer:
     """On-policy distillation of ``student`` toward ``teacher`` on ``task``.
 
     ``engine`` generates the student's rollouts (``HFEngine`` over the live ``student`` module,
-    or a ``VLLMEngine`` that receives the weights after every step and every gate candidate).
-    ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks`` are called with each step's
-    metrics dict.
+    or a ``VLLMEngine`` that receives the weights before every generation: rollouts, gate
+    candidates, evaluations). ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks``
+    are called with each step's metrics dict.
     """
 
     def __init__(
@@ -122,18 +118,11 @@ class OPDTrainer:
         if len(self.train_problems) < config.batch_size:
             raise ValueError(f"batch_size {config.batch_size} exceeds the {len(self.train_problems)} "
                              f"training problems of task {task.name!r}")
-        # Under torch.distributed (torchrun) every rank takes its slice of each step's prompts, of
-        # the gate set and of the eval set; gradients, token counts and eval counts are summed
-        # over ranks, and the gate's scores averaged (ExtrapolatingOptimizer reduce="mean"), so
-        # every rank takes the same decision and the weights stay identical.
-        self.rank, self.world = ((dist.get_rank(), dist.get_world_size())
-                                 if dist.is_available() and dist.is_initialized() else (0, 1))
-        self.gate_problems = task.problems("gate", config.gate_size, seed=config.seed)[self.rank::self.world]
-        self.eval_problems = task.problems("test", config.eval_size, seed=config.seed)[self.rank::self.world]
-        if self.world > 1:
-            with torch.no_grad():  # start from rank 0's weights, whatever each rank loaded
-                for t in student.state_dict().values():
-                    dist.broadcast(t, 0)
+        self.ranks = Ranks.current()
+        self.rank, self.world = self.ranks.rank, self.ranks.world
+        self.gate_problems = self.ranks.shard(task.problems("gate", config.gate_size, seed=config.seed))
+        self.eval_problems = self.ranks.shard(task.problems("test", config.eval_size, seed=config.seed))
+        self.ranks.broadcast_weights(student)
 
         teacher.requires_grad_(False).eval()
         student.train()
@@ -152,7 +141,8 @@ class OPDTrainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
         self.step = 0
         self.train_seconds = 0.0  # rollouts + scoring + updates + gate; periodic evals excluded
-        self._writers = _make_writers(config, self.output_dir) if self.rank == 0 else []
+        self.metrics_log = MetricsLog(self.output_dir, config.report_to_list(),
+                                      run_config=config.to_dict(), enabled=self.ranks.is_main)
 
     # ------------------------------------------------------------------ setup
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -186,21 +176,27 @@ class OPDTrainer:
             self.gate_evals += 1
             self.gate_seconds += time.perf_counter() - start
 
+    def synced_engine(self) -> Engine:
+        """The engine, given the student's weights as they are now. Every generation goes
+        through here, the one place weights reach the engine, so rollouts, gate candidates and
+        evaluations always sample the weights they mean (a no-op push for ``HFEngine``)."""
+        self.engine.push_weights(self.student)
+        return self.engine
+
     # ------------------------------------------------------------------ scores
     def gate_score(self) -> float:
         """The EffOPD gate at the current weights: accuracy, or minus the reverse KL."""
-        self.engine.push_weights(self.student)  # a gate candidate is new weights too
         if self.config.gate == "accuracy":
             return self._accuracy(self.gate_problems, across_ranks=False)  # the gate reduces
         return -self.gate_reverse_kl()
 
     def gate_reverse_kl(self) -> float:
         """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
-        (sampled once from the initial student, teacher-forced afterwards: continuous, cheap)."""
+        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap)."""
         if self._gate_sequences is None:
-            r = self.engine.generate([p.prompt for p in self.gate_problems],
-                                     max_new_tokens=self.max_new_tokens,
-                                     temperature=self.config.temperature, seed=self.config.seed)
+            r = self.synced_engine().generate(
+                [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
+                temperature=self.config.temperature, seed=self.config.seed)
             self._gate_sequences = {"sequences": r.sequences, "attention_mask": r.attention_mask,
                                     "completion_mask": r.completion_mask}
         g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
@@ -223,20 +219,15 @@ class OPDTrainer:
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
         with self._ema_weights():
-            self.engine.push_weights(self.student)
-            acc = self._accuracy(self.eval_problems, across_ranks=True)
-        if self.ema is not None:
-            self.engine.push_weights(self.student)
-        return acc
+            return self._accuracy(self.eval_problems, across_ranks=True)
 
     def _accuracy(self, problems: list[Problem], *, across_ranks: bool) -> float:
         """Greedy exact match on this rank's ``problems``; with ``across_ranks``, of all ranks'."""
-        acc = greedy_accuracy(self.engine, self.task, problems, self.max_new_tokens)
-        if not across_ranks or self.world == 1:
+        acc = greedy_accuracy(self.synced_engine(), self.task, problems, self.max_new_tokens)
+        if not across_ranks:
             return acc
-        counts = torch.tensor([acc * len(problems), float(len(problems))], dtype=torch.float64)
-        dist.all_reduce(counts)
-        return float(counts[0] / counts[1])
+        correct, total = self.ranks.sum([acc * len(problems), len(problems)])
+        return correct / total
 
     @contextlib.contextmanager
     def _ema_weights(self):
@@ -257,33 +248,61 @@ class OPDTrainer:
                     dst.copy_(src)
 
     # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, Any]:
+        """Run one optimizer step (rollout → score → update) and return its metrics."""
+        t0 = time.perf_counter()
+        rollout, rewards = self._rollout()
+        t1 = time.perf_counter()
+        scored = self._score(rollout, rewards)
+        t2 = time.perf_counter()
+        gate_before = self.gate_seconds
+        jump = self._update()
+        t3 = time.perf_counter()
+        self.train_seconds += t3 - t0
+        tokens = scored["num_tokens"]
+        metrics: dict[str, Any] = {
+            "step": self.step,
+            **scored,
+            "lr": self.scheduler.get_last_lr()[0],
+            "rollout_tokens_per_s": tokens / (t1 - t0) if t1 > t0 else None,
+            "seconds_rollout": t1 - t0,
+            "seconds_score": t2 - t1,
+            "seconds_update": t3 - t2,
+            "seconds_gate": self.gate_seconds - gate_before,
+            "gate_evals_total": self.gate_evals,
+            "train_seconds": self.train_seconds,
+        }
+        if jump is not None:
+            metrics["jump"] = jump.to_dict()
+        return metrics
+
     def _problems(self, step: int) -> list[Problem]:
+        """This rank's prompts of ``step``: a fixed function of the seed and the step."""
         g = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         idx = torch.randperm(len(self.train_problems), generator=g)[: self.config.batch_size]
-        return [self.train_problems[i] for i in idx.tolist()][self.rank::self.world]
+        return self.ranks.shard([self.train_problems[i] for i in idx.tolist()])
 
-    def train_step(self) -> dict[str, Any]:
-        """Run one optimizer step and return its metrics."""
+    def _rollout(self) -> tuple[Rollout, torch.Tensor]:
+        """Sample this step's completions and their task rewards (one per row)."""
         c = self.config
-        t0 = time.perf_counter()
         problems = self._problems(self.step)
-        rollout = self.engine.generate(
+        rollout = self.synced_engine().generate(
             [p.prompt for p in problems], max_new_tokens=self.max_new_tokens,
             temperature=c.temperature, top_p=c.top_p,
             seed=c.seed * 1_000_003 + self.step * self.world + self.rank,
             num_samples=c.num_samples).to(c.device)
-        t_rollout = time.perf_counter() - t0
         rows_problems = [p for p in problems for _ in range(c.num_samples)]  # prompt-major rows
         rewards = torch.tensor([self.task.reward(t, p) for t, p in
                                 zip(rollout.texts, rows_problems, strict=True)])
-        advantages = group_advantages(rewards, c.num_samples).to(c.device)
+        return rollout, rewards
 
-        t1 = time.perf_counter()
-        total_tokens = int(rollout.completion_mask[:, 1:].sum())
-        if self.world > 1:  # normalise by the tokens of the whole step, all ranks
-            n = torch.tensor(total_tokens, dtype=torch.int64)
-            dist.all_reduce(n)
-            total_tokens = int(n)
+    def _score(self, rollout: Rollout, rewards: torch.Tensor) -> dict[str, Any]:
+        """Backward the loss of every micro-batch, normalised by the completion tokens of the
+        whole step on all ranks; gradients and metrics are summed over ranks."""
+        c = self.config
+        advantages = group_advantages(rewards, c.num_samples).to(c.device)
+        (total_tokens,) = self.ranks.sum([int(rollout.completion_mask[:, 1:].sum())])
+        total_tokens = int(total_tokens)
         sums: dict[str, float] = {}
         rows = rollout.sequences.shape[0]
         chunk = rows // c.gradient_accumulation_steps
@@ -297,65 +316,33 @@ class OPDTrainer:
             for k, v in out.metrics.items():
                 if k != "num_tokens":
                     sums[k] = sums.get(k, 0.0) + v * n
-        if self.world > 1:
-            self._all_reduce_grads()
-            packed = torch.tensor([loss_total, float(rewards.sum()), float(rewards.numel()),
-                                   *sums.values()], dtype=torch.float64)
-            dist.all_reduce(packed)
-            loss_total, sums = float(packed[0]), dict(zip(sums, packed[3:].tolist(), strict=True))
-            mean_reward = float(packed[1] / packed[2])
-        else:
-            mean_reward = float(rewards.mean())
+        self.ranks.sum_grads(self.student.parameters())
+        loss_total, reward_sum, reward_n, *summed = self.ranks.sum(
+            [loss_total, float(rewards.sum()), rewards.numel(), *sums.values()])
         grad_norm = None
         if c.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm))
-        t_score = time.perf_counter() - t1
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(),
+                                                             c.max_grad_norm))
+        return {
+            "loss": loss_total,
+            **{k: v / max(total_tokens, 1) for k, v in zip(sums, summed, strict=True)},
+            "num_tokens": total_tokens,
+            "reward": reward_sum / reward_n,
+            "grad_norm": grad_norm,
+        }
 
-        t2 = time.perf_counter()
-        gate_before, jumps_before = self.gate_seconds, len(getattr(self.optimizer, "history", []))
+    def _update(self):
+        """The optimizer step (and the EffOPD search when scheduled); the search's
+        ``JumpRecord`` when one ran, else None."""
+        searches_before = len(getattr(self.optimizer, "history", []))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self.ema.update_parameters(self.student)
         self.step += 1
-        self.engine.push_weights(self.student)
-        t_update = time.perf_counter() - t2
-        self.train_seconds += time.perf_counter() - t0
-
-        metrics: dict[str, Any] = {
-            "step": self.step,
-            "loss": loss_total,
-            **{k: v / max(total_tokens, 1) for k, v in sums.items()},
-            "num_tokens": total_tokens,
-            "reward": mean_reward,
-            "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm,
-            "rollout_tokens_per_s": total_tokens / t_rollout if t_rollout > 0 else None,
-            "seconds_rollout": t_rollout,
-            "seconds_score": t_score,
-            "seconds_update": t_update,
-            "seconds_gate": self.gate_seconds - gate_before,
-            "gate_evals_total": self.gate_evals,
-            "train_seconds": self.train_seconds,
-        }
         history = getattr(self.optimizer, "history", [])
-        if len(history) > jumps_before:
-            metrics["jump"] = history[-1].to_dict()
-        return metrics
-
-    def _all_reduce_grads(self) -> None:
-        """Sum gradients over ranks: each rank's loss is already divided by the step's global
-        token count, so the sum is the gradient of the global per-token mean."""
-        grads = [p.grad for p in self.student.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        return history[-1] if len(history) > searches_before else None
 
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
@@ -392,15 +379,13 @@ class OPDTrainer:
             if not self.load_checkpoint():
                 logger.warning("resume: no checkpoint in %s, starting from step 0", self.output_dir)
         result = TrainResult()
-        metrics_path = self.output_dir / "metrics.jsonl"
-        if self.rank == 0:
-            _truncate_metrics(metrics_path, self.step)
+        self.metrics_log.start_at(self.step)
         if self.step == 0:
             acc = self.evaluate()
             result.evals.append((0, acc))
             self._log({"step": 0, "eval_accuracy": acc, "train_seconds": 0.0,
-                       "gate_evals_total": 0}, metrics_path, result)
-        bar = _progress(c.max_steps, self.step, c.progress and self.rank == 0,
+                       "gate_evals_total": 0}, result)
+        bar = _progress(c.max_steps, self.step, c.progress and self.ranks.is_main,
                         "OPD" + (" + EffOPD" if c.extrapolate else ""))
         try:
             while self.step < c.max_steps:
@@ -409,7 +394,7 @@ class OPDTrainer:
                 if (c.eval_every and self.step % c.eval_every == 0) or last:
                     m["eval_accuracy"] = self.evaluate()
                     result.evals.append((self.step, m["eval_accuracy"]))
-                self._log(m, metrics_path, result)
+                self._log(m, result)
                 bar.update(1)
                 bar.set_postfix({k: round(m[k], 4) for k in ("loss", "reverse_kl", "eval_accuracy")
                                  if isinstance(m.get(k), float)})
@@ -421,19 +406,14 @@ class OPDTrainer:
                     break
         finally:
             bar.close()
-            for w in self._writers:
-                w.flush()
+            self.metrics_log.flush()
         return result
 
-    def _log(self, m: dict[str, Any], path: Path, result: TrainResult) -> None:
+    def _log(self, m: dict[str, Any], result: TrainResult) -> None:
         result.metrics.append(m)
         if "jump" in m:
             result.jumps.append(m["jump"])
-        if self.rank == 0:
-            with path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
-        for w in self._writers:
-            w.log(m)
+        self.metrics_log.log(m)
         for cb in self.callbacks:
             cb(m)
 
@@ -442,156 +422,44 @@ class OPDTrainer:
         """Write ``checkpoint-<step>`` atomically and point ``latest`` at it (rank 0 writes,
         the weights and optimizer state being the same on every rank)."""
         final = self.output_dir / f"checkpoint-{self.step}"
-        if self.rank == 0:
-            self._write_checkpoint(final)
-        if self.world > 1:
-            dist.barrier()
+        if self.ranks.is_main:
+            state = {
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "train_seconds": self.train_seconds,
+                "gate_evals": self.gate_evals,
+                "gate_seconds": self.gate_seconds,
+                "gate_sequences": self._gate_sequences,
+                "ema": None if self.ema is None else self.ema.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            }
+            write_checkpoint(self.output_dir, self.step, model=self.student,
+                             tokenizer=self.tokenizer, state=state, config=self.config)
+        self.ranks.barrier()
         return final
-
-    def _write_checkpoint(self, final: Path) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.output_dir / f".tmp-checkpoint-{self.step}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        self.student.save_pretrained(tmp)
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(tmp)
-        state = {
-            "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "train_seconds": self.train_seconds,
-            "gate_evals": self.gate_evals,
-            "gate_seconds": self.gate_seconds,
-            "gate_sequences": self._gate_sequences,
-            "ema": None if self.ema is None else self.ema.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        torch.save(state, tmp / _STATE)
-        self.config.save(tmp / "opd_config.json")
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = self.output_dir / f".{_LATEST}.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, self.output_dir / _LATEST)
-        _fsync_dir(self.output_dir)
-        # Keep the newest two: the one just written and the one before it.
-        for old in sorted(self.output_dir.glob("checkpoint-*"), key=_ckpt_step)[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
         """Load ``path`` (default: the one ``latest`` names); False if there is none."""
+        path = latest_checkpoint(self.output_dir) if path is None else Path(path)
         if path is None:
-            pointer = self.output_dir / _LATEST
-            if not pointer.is_file():
-                return False
-            path = self.output_dir / pointer.read_text().strip()
-        path = Path(path)
-        from safetensors.torch import load_file
-
-        weights = sorted(path.glob("*.safetensors"))
-        if not weights:
-            raise FileNotFoundError(f"checkpoint {path} has no safetensors weights")
-        sd: dict[str, torch.Tensor] = {}
-        for w in weights:
-            sd.update(load_file(str(w)))
-        missing, unexpected = self.student.load_state_dict(sd, strict=False)
-        # Tied or buffer-only keys may be absent from the file; real parameters may not.
-        real_missing = [k for k in missing if not k.endswith("lm_head.weight")
-                        or not getattr(self.student.config, "tie_word_embeddings", False)]
-        if real_missing or unexpected:
-            raise RuntimeError(f"checkpoint {path} does not match the student: missing "
-                               f"{real_missing[:5]}, unexpected {unexpected[:5]}")
-        state = torch.load(path / _STATE, weights_only=False)
+            return False
+        state = read_checkpoint(path, self.student)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.train_seconds = state["train_seconds"]
         self.gate_evals, self.gate_seconds = state["gate_evals"], state["gate_seconds"]
         # The saved gate rollouts are rank 0's slice; other ranks sample theirs again.
-        self._gate_sequences = state["gate_sequences"] if self.rank == 0 else None
+        self._gate_sequences = state["gate_sequences"] if self.ranks.is_main else None
         if self.ema is not None and state.get("ema") is not None:
             self.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        self.engine.push_weights(self.student)
         return True
-
-
-def _ckpt_step(p: Path) -> int:
-    try:
-        return int(p.name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return -1
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop metric lines past the checkpoint so the log has no duplicate steps."""
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True)
-
-
-class _Writer:
-    def log(self, m: dict[str, Any]) -> None: ...
-    def flush(self) -> None: ...
-
-
-class _TensorBoard(_Writer):
-    def __init__(self, logdir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.w = SummaryWriter(str(logdir))
-
-    def log(self, m: dict[str, Any]) -> None:
-        for k, v in m.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-                self.w.add_scalar(k, v, m["step"])
-
-    def flush(self) -> None:
-        self.w.flush()
-
-
-class _WandB(_Writer):
-    def __init__(self, config: OPDConfig) -> None:
-        import wandb
-
-        self.run = wandb.init(config=config.to_dict(), dir=config.output_dir)
-
-    def log(self, m: dict[str, Any]) -> None:
-        self.run.log({k: v for k, v in m.items() if k != "jump"}, step=m["step"])
-
-
-def _make_writers(config: OPDConfig, output_dir: Path) -> list[_Writer]:
-    writers: list[_Writer] = []
-    for name in config.report_to_list():
-        try:
-            writers.append(_TensorBoard(output_dir / "tb") if name == "tensorboard" else _WandB(config))
-        except ImportError as err:
-            raise ValueError(f"report_to={name} needs {err.name}: pip install {err.name}") from err
-    return writers

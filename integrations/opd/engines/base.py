@@ -100,7 +100,7 @@ def build_rollout(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[
 
 class Engine(ABC):
     """Generates the student's rollouts. ``push_weights`` gives it the student's current weights
-    (after every optimizer step and before every gate candidate is scored)."""
+    (``OPDTrainer`` pushes before every generation: rollouts, gate candidates, evaluations)."""
 
     tokenizer: Any
 

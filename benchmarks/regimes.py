@@ -1,0 +1,822 @@
+"""The regime map: where does EffOPD beat plain OPD at its best learning rate?
+
+A grid of cells, each one regime: tokens per optimizer step (the short arithmetic task at 32
+and at 512 prompts, the long worked-solution task at 128), the teacher (``sft``: the base
+SFT'd far, the zoo's ``same-base``; ``rl``: the base plus Dr. GRPO, a short shift), and the
+optimizer (AdamW; SGD with momentum on the ``rl`` teacher). In every cell, plain OPD and EffOPD
+(−reverse-KL gate on 128 fixed rollouts, geometric c, as ``benchmarks/speedup.py``) are swept
+over learning rates a factor 2 apart, up to where plain degrades; every run uses the full-
+vocabulary reverse KL, evaluates greedy exact match on ≥1000 held-out problems (all of them
+when the split holds fewer) and stops at 90% of the teacher's gain (cap 300 steps).
+
+Staged, so the most informative runs come first and a budget cut leaves a usable map:
+
+- stage 1: every lr of the cell, plain and EffOPD, seed 0 (extended by ×2 while plain's top lr
+  has not degraded — final accuracy below its start, or a crash / NaN — and by ½ while plain's
+  best is the lowest);
+- ``noise``: the gradient-noise scale ``B_noise = tr(Σ)/|G|²`` at plain's best lr (see
+  ``NoiseProbe``), and every run records its secant cosine (``SecantProbe``);
+- stage 2: seeds 1 and 2 at each method's two best stage-1 lrs.
+
+A cell counts when plain at its best lr reaches 75% of the gain on every seed and the gain is
+at least 5 eval standard errors. Results are rewritten after every run and a rerun skips the
+runs already in the json, so the study can be stopped and resumed at any point.
+
+    python -m benchmarks.regimes                                 # the CPU grid (hours, one core)
+    python -m benchmarks.regimes --cells short-512/sft/adamw     # some cells only
+    python -m benchmarks.regimes --device cuda --budget_s 480    # the GPU study (69M, long task)
+    python -m benchmarks.regimes --smoke --out /tmp/regimes      # the pipeline in under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import machine_info, markdown_table, write_results
+
+STEM = "regimes"
+LOSS = "reverse_kl"
+FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
+STOP_FRACTION = 0.9
+COUNT_FRACTION = 0.75  # plain at its best lr must reach this on every seed for the cell to count
+MIN_GAIN_SE = 5.0  # ... and the gain must be this many eval standard errors
+SPEEDUP_BAR = 1.2  # the question: is EffOPD at least this much faster on every paired seed?
+EVAL_SIZE = 1000
+STAGE2_SEEDS = (1, 2)
+EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
+RETENTION_BUDGET = 0.02
+
+# task key -> OPD task spec. The long task: a worked solution of 20-80 tokens, then the answer.
+TASKS = {"short": "arithmetic", "long": "longadd"}
+# level -> (task key, prompts per step)
+LEVELS = {"short-32": ("short", 32), "short-512": ("short", 512), "long-128": ("long", 128)}
+# teacher key -> zoo teacher_regime
+TEACHERS = {"sft": "same-base", "rl": "rl"}
+ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
+SGD_LRS = (0.025, 0.05, 0.1)
+SGD_MOMENTUM = 0.9
+# The retention pair: a base competent on + and −, distilled on + only, − measured.
+RETENTION = {"pair_task": "arithmetic:ops=+-", "regime": "retention", "task": "arithmetic:ops=+",
+             "held_out": "arithmetic:ops=-"}
+
+
+def _cells() -> dict[str, dict[str, Any]]:
+    """name -> cell spec, in the order the study runs them (most informative first: the rl
+    teacher, then the levels by tokens per step, highest first)."""
+    cells: dict[str, dict[str, Any]] = {}
+
+    def add(level: str, teacher: str, optimizer: str, lrs: tuple[float, ...], *,
+            kind: str = "main", stage2: str = "two-best") -> None:
+        task_key, prompts = LEVELS[level]
+        name = f"{level}/{teacher}/{optimizer}" + ("/retention" if kind == "retention" else "")
+        cells[name] = {"level": level, "task": TASKS[task_key], "prompts": prompts,
+                       "teacher": teacher, "optimizer": optimizer, "lrs": list(lrs),
+                       "kind": kind, "stage2": stage2}
+
+    for teacher in ("rl", "sft"):
+        for level in ("long-128", "short-512", "short-32"):
+            add(level, teacher, "adamw", ADAMW_LRS)
+    for level in ("long-128", "short-512"):  # the two upper levels
+        add(level, "rl", "sgd", SGD_LRS, stage2="best")
+    add("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention", stage2="all")
+    return cells
+
+
+CELLS = _cells()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--cells", default="all", help="comma-separated cell names, or all")
+    p.add_argument("--stages", default="1,noise,2", help="which stages to run (comma-separated)")
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--eval-size", type=int, default=EVAL_SIZE)
+    p.add_argument("--noise-steps", type=int, default=24, help="steps averaged for B_noise")
+    p.add_argument("--noise-micro", type=int, default=8, help="micro-batches per step for B_noise")
+    p.add_argument("--size", default="tiny", help="zoo model size")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
+                   help="start no run after this many seconds (the json stays resumable)")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
+    a = p.parse_args(argv)
+    a.stem, a.cell_specs = STEM, dict(CELLS)
+    if a.smoke:
+        # One short-task cell at 8 prompts, 2 lrs; stage 2 with one more seed.
+        a.cell_specs = {"smoke/sft/adamw": {**CELLS["short-32/sft/adamw"], "level": "smoke",
+                                            "prompts": 8, "lrs": [1e-3, 4e-3]}}
+        a.cells, a.max_steps, a.eval_every, a.eval_size = "all", 6, 2, 40
+        a.noise_steps, a.noise_micro, a.stem = 3, 2, "regimes-smoke"
+        a.stage2_seeds, a.gate_size, a.extend = (1,), 16, False
+    elif a.device.startswith("cuda"):
+        # The GPU study: the 69M zoo model on the long task, rl teacher, 1024 and 4096 prompts.
+        a.cell_specs = {}
+        for prompts in (4096, 1024):
+            a.cell_specs[f"long-{prompts}/rl/adamw"] = {
+                "level": f"long-{prompts}", "task": TASKS["long"], "prompts": prompts,
+                "teacher": "rl", "optimizer": "adamw", "lrs": [2.5e-4, 1e-3], "kind": "main",
+                "stage2": "none"}
+        a.size = "large" if a.size == "tiny" else a.size
+        a.stem, a.stage2_seeds, a.gate_size, a.extend = "regimes-gpu", (), 128, False
+        a.stages = "1,noise"
+    else:
+        a.stage2_seeds, a.gate_size, a.extend = STAGE2_SEEDS, EFFOPD["gate_size"], True
+    names = list(a.cell_specs) if a.cells == "all" else [s.strip() for s in a.cells.split(",")]
+    unknown = [n for n in names if n not in a.cell_specs]
+    if unknown:
+        p.error(f"unknown cell(s) {unknown}; known: {', '.join(a.cell_specs)}")
+    a.names = names
+    a.stage_list = [s.strip() for s in a.stages.split(",")]
+    bad = [s for s in a.stage_list if s not in ("1", "noise", "2")]
+    if bad:
+        p.error(f"unknown stage(s) {bad}; known: 1, noise, 2")
+    return a
+
+
+# --------------------------------------------------------------------------- models
+
+
+class Models:
+    """Loads each zoo pair once (building it on first use); a pair the zoo cannot build (a
+    teacher regime not there yet) is remembered with the reason."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def get(self, task_spec: str, teacher: str) -> dict[str, Any]:
+        key = (task_spec, teacher)
+        if key not in self._pairs:
+            from lookahead_opd.integrations.opd.zoo import build_pair
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            regime = RETENTION["regime"] if teacher == "retention" else TEACHERS[teacher]
+            pair_task = RETENTION["pair_task"] if teacher == "retention" else task_spec
+            try:
+                pair = build_pair(self.a.cache_dir, task_spec=pair_task, size=self.a.size,
+                                  teacher_regime=regime, progress=True)
+            except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
+                self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
+                return self._pairs[key]
+
+            def load(path: Path) -> Any:
+                return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.a.device)
+
+            self._pairs[key] = {
+                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
+                "student": load(pair.student_path), "teacher": load(pair.teacher_path),
+                "accuracies": pair.accuracies, "path": str(pair.student_path),
+            }
+        return self._pairs[key]
+
+
+def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
+    """The run's eval set: ``n`` test problems, or all of them when the split holds fewer."""
+    return task.problems("test", min(n, len(task.problems("test"))), seed=seed)
+
+
+def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> float:
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
+
+    task = load_task(task_spec)
+    return greedy_accuracy(model, tokenizer, task, eval_problems(task, n, seed))
+
+
+# --------------------------------------------------------------------------- probes
+
+
+class SecantProbe:
+    """Snapshots the weights after steps 1, 2, 4, 8, ... (EffOPD's search steps) and records
+    ``cos(W_2s − W_s, W_s − W_s/2)``: how well one window's secant predicts the next window's
+    displacement, the bet a jump ``W + c·Δ`` makes."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.snaps: dict[int, torch.Tensor] = {}
+        self.cosines: list[tuple[int, float]] = []
+        self.tokens: list[int] = []
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        step = m["step"]
+        if "num_tokens" in m:
+            self.tokens.append(int(m["num_tokens"]))
+        if step < 1 or step & (step - 1):
+            return
+        with torch.no_grad():
+            self.snaps[step] = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+        if step >= 4:
+            d1 = self.snaps[step] - self.snaps[step // 2]
+            d0 = self.snaps[step // 2] - self.snaps[step // 4]
+            cos = torch.nn.functional.cosine_similarity(d1, d0, dim=0)
+            self.cosines.append((step, float(cos)))
+            del self.snaps[step // 4]
+
+
+class NoiseProbe:
+    """The gradient-noise scale ``B_noise = tr(Σ)/|G|²`` (McCandlish et al. 2018, "simple"
+    scale) from the run's own gradients: the step is split into ``micro`` equal micro-batches
+    (``gradient_accumulation_steps``, which leaves the summed gradient unchanged); a
+    post-accumulate hook on every parameter snapshots the running gradient after each
+    micro-batch's backward, so micro-batch and whole-step gradients come from the same
+    rollouts. With ``E|G_b|² = |G|² + tr(Σ)/b`` at both sizes b < B, the two unknowns follow;
+    numerator and denominator are averaged over the steps before dividing. The trainer
+    normalises by the whole step's tokens, so a micro-batch's gradient is taken as ``micro``
+    times its contribution (exact for equal token counts per micro-batch)."""
+
+    def __init__(self, model: torch.nn.Module, micro: int) -> None:
+        self.micro = micro
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.small: list[float] = []  # mean |G_b|² per step
+        self.big: list[float] = []  # |G_B|² per step
+        self.tokens: list[int] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        self.grads.setdefault(id(p), []).append(p.grad.detach().clone())
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        if not self.grads:
+            return
+        small, big = 0.0, 0.0
+        for snaps in self.grads.values():
+            if len(snaps) != self.micro:  # a parameter some micro-batch did not reach
+                continue
+            prev = torch.zeros_like(snaps[0])
+            for s in snaps:
+                small += float(((s - prev) * self.micro).pow(2).sum()) / self.micro
+                prev = s
+            big += float(snaps[-1].pow(2).sum())
+        self.small.append(small)
+        self.big.append(big)
+        self.tokens.append(int(m.get("num_tokens", 0)))
+        self.grads.clear()
+
+    def result(self, rows: int) -> dict[str, Any]:
+        """B_noise in rows (prompts × samples) and in completion tokens."""
+        big_b, small_b = float(rows), rows / self.micro
+        gs, gb = statistics.fmean(self.small), statistics.fmean(self.big)
+        g2 = (big_b * gb - small_b * gs) / (big_b - small_b)
+        trace = (gs - gb) / (1 / small_b - 1 / big_b)
+        tokens_per_row = statistics.fmean(self.tokens) / rows if self.tokens else float("nan")
+        b_noise = trace / g2 if g2 > 0 else float("inf")
+        return {"steps": len(self.big), "rows": rows, "micro_batches": self.micro,
+                "grad_sq_small": gs, "grad_sq_big": gb, "grad_sq_true": g2, "trace_sigma": trace,
+                "b_noise_rows": b_noise, "b_noise_tokens": b_noise * tokens_per_row,
+                "tokens_per_step": statistics.fmean(self.tokens) if self.tokens else None}
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def config_for(a: argparse.Namespace, cell: dict[str, Any], method: str, lr: float, seed: int,
+               target: float | None, **extra: Any) -> Any:
+    from lookahead_opd.integrations.opd.config import OPDConfig
+
+    opt = dict(optimizer="sgd", momentum=SGD_MOMENTUM) if cell["optimizer"] == "sgd" else {}
+    eff = {**EFFOPD, "gate_size": a.gate_size} if method == "effopd" else {}
+    return OPDConfig(
+        task=cell["task"], output_dir=f"/tmp/lookahead-opd-{a.stem}/{method}-{lr:g}-{seed}",
+        max_steps=a.max_steps, batch_size=cell["prompts"], learning_rate=lr, warmup_steps=4,
+        loss=LOSS, eval_every=a.eval_every, eval_size=len(eval_problems(_task(cell["task"]),
+                                                                        a.eval_size, seed)), seed=seed,
+        stop_at_accuracy=target, device=a.device, progress=False, **opt, **eff, **extra)
+
+
+def run_key(cell: str, method: str, lr: float, seed: int) -> str:
+    return f"{cell}|{method}|{lr:g}|{seed}"
+
+
+def base_and_targets(a: argparse.Namespace, results: dict[str, Any], models: Models,
+                     cell_name: str, seed: int) -> dict[str, Any]:
+    """The base's accuracy on this seed's eval set, the teacher's (all of test) and the targets."""
+    cell = a.cell_specs[cell_name]
+    key = f"{cell['task']}|{cell['teacher']}|{seed}"
+    if key not in results["bases"]:
+        pair = models.get(cell["task"], cell["teacher"])
+        base = accuracy(pair["student"], pair["tokenizer"], cell["task"], a.eval_size, seed)
+        if cell["kind"] == "retention":
+            teacher = accuracy(pair["teacher"], pair["tokenizer"], cell["task"], 10**9, 0)
+        else:
+            teacher = pair["accuracies"]["teacher"]
+        n = len(eval_problems(_task(cell["task"]), a.eval_size, seed))
+        se = math.sqrt(base * (1 - base) / n + teacher * (1 - teacher) / n)
+        entry = {"base": base, "teacher": teacher, "eval_n": n, "gain": teacher - base,
+                 "gain_se": se, "targets": {f"{f:g}": base + f * (teacher - base) for f in FRACTIONS}}
+        if cell["kind"] == "retention":
+            entry["retention_base"] = accuracy(pair["student"], pair["tokenizer"],
+                                               RETENTION["held_out"], a.eval_size, seed)
+        results["bases"][key] = entry
+    return results["bases"][key]
+
+
+def _task(spec: str) -> Any:
+    from lookahead_opd.integrations.opd.tasks import load_task
+
+    return load_task(spec)
+
+
+def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
+    """An ``OPDTrainer`` whose EffOPD gate scores −∞ (below every −reverse KL; the issue's −1
+    for an accuracy gate) when the held-out operation's accuracy falls under ``floor``."""
+    from lookahead_opd.integrations.opd.trainer import greedy_accuracy
+
+    class RetentionGatedTrainer(trainer_cls):
+        def gate_score(self) -> float:
+            score = super().gate_score()
+            kept = greedy_accuracy(self.synced_engine(), held_out["task"], held_out["problems"],
+                                   held_out["task"].max_new_tokens)
+            return score if kept >= floor else float("-inf")
+
+    return RetentionGatedTrainer
+
+
+def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell_name: str,
+            method: str, lr: float, seed: int, *, noise: bool = False) -> dict[str, Any]:
+    from lookahead_opd.integrations.opd.compare import run_variant
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+
+    cell = a.cell_specs[cell_name]
+    pair = models.get(cell["task"], cell["teacher"])
+    bt = base_and_targets(a, results, models, cell_name, seed)
+    probes: list[Any] = []
+
+    def callbacks(model: torch.nn.Module) -> list[Callable[[dict[str, Any]], None]]:
+        probes.append(NoiseProbe(model, a.noise_micro) if noise else SecantProbe(model))
+        return probes
+
+    if noise:  # plain at this lr, micro-batched, a few steps, no evals on the way
+        config = dataclasses.replace(
+            config_for(a, cell, "plain", lr, seed, None), eval_every=0, max_steps=a.noise_steps,
+            gradient_accumulation_steps=a.noise_micro)
+    else:
+        config = config_for(a, cell, method, lr, seed, bt["targets"][f"{STOP_FRACTION:g}"])
+    trainer_cls = OPDTrainer
+    on_student = None
+    if cell["kind"] == "retention":
+        held = _task(RETENTION["held_out"])
+        held_out = {"task": held, "problems": held.problems("gate", min(a.gate_size, len(
+            held.problems("gate"))), seed=seed)}
+        if method == "effopd":
+            trainer_cls = retention_gate(OPDTrainer, held_out,
+                                         bt["retention_base"] - RETENTION_BUDGET)
+
+        def on_student(m: Any) -> float:
+            return accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
+    t0 = time.perf_counter()
+    try:
+        run = run_variant(config, pair["student"], pair["teacher"], _task(cell["task"]),
+                          pair["tokenizer"], callbacks=callbacks, on_student=on_student,
+                          trainer_class=trainer_cls)
+        run["jumps"] = [{k: j[k] for k in ("step", "accepted", "coefficients", "scores")}
+                        for j in run["jumps"]]
+        run["crashed"] = None
+    except (RuntimeError, ValueError) as err:  # NaN weights make sampling fail: a degraded run
+        run = {"evals": [[0, bt["base"]]], "train_seconds": {}, "jumps": [], "final_accuracy": None,
+               "crashed": f"{type(err).__name__}: {err}"[:300], "extra": None}
+    run["train_seconds"] = {str(k): v for k, v in run["train_seconds"].items()}
+    run.pop("reverse_kl", None)
+    run.update(cell=cell_name, method=method, lr=lr, seed=seed,
+               wall_seconds=time.perf_counter() - t0)
+    probe = probes[0] if probes else None
+    if noise and probe is not None and probe.big:
+        run["noise"] = probe.result(cell["prompts"] * config.num_samples)
+    elif probe is not None:
+        run["secant_cosines"] = probe.cosines
+        run["tokens_per_step"] = statistics.fmean(probe.tokens) if probe.tokens else None
+    return run
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _reached(run: dict[str, Any], bt: dict[str, Any]) -> dict[str, int | None]:
+    """Steps and seconds to each fraction of the gain (None: not reached)."""
+    from lookahead_opd.integrations.opd.compare import steps_to_target
+
+    out: dict[str, Any] = {}
+    for f in FRACTIONS:
+        s = steps_to_target(run["evals"], bt["targets"][f"{f:g}"])
+        out[f"steps_{f:g}"] = s
+        out[f"seconds_{f:g}"] = None if s is None else run["train_seconds"].get(str(s), 0.0)
+    return out
+
+
+def degraded(run: dict[str, Any]) -> bool:
+    """Plain at this lr broke: a crash (NaN), or a final accuracy below its start."""
+    if run.get("crashed") or run["final_accuracy"] is None or math.isnan(run["final_accuracy"]):
+        return True
+    return run["final_accuracy"] < run["evals"][0][1]
+
+
+def rank_key(runs: list[dict[str, Any]], bt: dict[str, Any]) -> tuple[float, float, float]:
+    """Smaller is better: the highest fraction reached on every seed, then mean steps to it,
+    then minus the mean final accuracy."""
+    finals = [r["final_accuracy"] or 0.0 for r in runs]
+    for i, f in enumerate(reversed(FRACTIONS)):
+        steps = [_reached(r, bt)[f"steps_{f:g}"] for r in runs]
+        if all(s is not None for s in steps):
+            return (float(i), statistics.fmean(steps), -statistics.fmean(finals))
+    return (float(len(FRACTIONS)), 0.0, -statistics.fmean(finals))
+
+
+def cell_runs(results: dict[str, Any], cell: str, method: str) -> dict[float, list[dict[str, Any]]]:
+    by_lr: dict[float, list[dict[str, Any]]] = {}
+    for r in results["runs"].values():
+        if r["cell"] == cell and r["method"] == method:
+            by_lr.setdefault(r["lr"], []).append(r)
+    for rs in by_lr.values():
+        rs.sort(key=lambda r: r["seed"])
+    return dict(sorted(by_lr.items()))
+
+
+def stage1_lrs(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> list[float]:
+    """The cell's lrs, extended ×2 while plain's top lr has not degraded and ½ while plain's
+    best is the lowest (two extensions each way at most)."""
+    cell = a.cell_specs[cell_name]
+    lrs = list(cell["lrs"])
+    if not a.extend:
+        return lrs
+    plain = cell_runs(results, cell_name, "plain")
+    for _ in range(2):
+        top = plain.get(lrs[-1])
+        if top is None or degraded(top[0]):
+            break
+        lrs.append(lrs[-1] * 2)
+    bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
+    for _ in range(2):
+        if bt is None or any(lr not in plain for lr in lrs):
+            break
+        best = min(lrs, key=lambda lr: rank_key(plain[lr][:1], bt))
+        if best != lrs[0]:
+            break
+        lrs.insert(0, lrs[0] / 2)
+    return lrs
+
+
+def best_lrs(results: dict[str, Any], cell_name: str, method: str, bt: dict[str, Any],
+             k: int, seeds: int | None = None) -> list[float]:
+    """The ``k`` best lrs of ``method`` in the cell (by ``rank_key`` over the first ``seeds``)."""
+    runs = cell_runs(results, cell_name, method)
+    return sorted(runs, key=lambda lr: rank_key(runs[lr][:seeds], bt))[:k]
+
+
+def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
+            stage: str) -> list[tuple[str, float, int, bool]]:
+    """(method, lr, seed, noise) runs of ``stage`` not in the results yet, as far as the runs
+    so far determine them (stage 1's extensions appear once the runs they depend on exist)."""
+    cell = a.cell_specs[cell_name]
+    done = results["runs"]
+    todo: list[tuple[str, float, int, bool]] = []
+    if stage == "1":
+        for lr in stage1_lrs(a, results, cell_name):
+            for method in ("plain", "effopd"):
+                if run_key(cell_name, method, lr, 0) not in done:
+                    todo.append((method, lr, 0, False))
+        return todo
+    if any(pending(a, results, cell_name, "1")):
+        return []
+    bt = results["bases"][f"{cell['task']}|{cell['teacher']}|0"]
+    if stage == "noise":
+        lr = best_lrs(results, cell_name, "plain", bt, 1, seeds=1)[0]
+        if run_key(cell_name, "noise", lr, 0) not in done:
+            todo.append(("noise", lr, 0, True))
+        return todo
+    k = {"two-best": 2, "best": 1, "all": 99, "none": 0}[cell["stage2"]]
+    for method in ("plain", "effopd"):
+        for lr in best_lrs(results, cell_name, method, bt, k, seeds=1):
+            for seed in a.stage2_seeds:
+                if run_key(cell_name, method, lr, seed) not in done:
+                    todo.append((method, lr, seed, False))
+    return todo
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    return statistics.fmean(xs) if xs and all(x is not None for x in xs) else None
+
+
+def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:
+    cell = a.cell_specs[cell_name]
+    bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
+    out: dict[str, Any] = {"cell": cell_name, **{k: cell[k] for k in ("level", "prompts", "teacher",
+                                                                         "optimizer", "kind")}}
+    if bt is None:
+        return {**out, "status": "not run"}
+    out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
+               gain_se=bt["gain_se"], eval_n=bt["eval_n"])
+    methods: dict[str, Any] = {}
+    for method in ("plain", "effopd"):
+        runs = cell_runs(results, cell_name, method)
+        if cell["kind"] == "retention":  # only lrs whose every seed kept the budget
+            floor = bt["retention_base"] - RETENTION_BUDGET
+            runs = {lr: rs for lr, rs in runs.items()
+                    if all(r.get("extra") is not None and r["extra"] >= floor for r in rs)}
+        if not runs:
+            continue
+        n_max = max(len(rs) for rs in runs.values())
+        full = {lr: rs for lr, rs in runs.items() if len(rs) == n_max}  # best lr among most seeds
+        best = min(full, key=lambda lr: rank_key(full[lr], bt))
+        rs = full[best]
+        per_lr = {f"{lr:g}": {"seeds": [r["seed"] for r in v],
+                              "final": [r["final_accuracy"] for r in v],
+                              "degraded": [degraded(r) for r in v],
+                              **{k: [_reached(r, bt)[k] for r in v] for k in _reached(v[0], bt)},
+                              "retention": [r.get("extra") for r in v]}
+                  for lr, v in runs.items()}
+        cos = [c for r in rs for s, c in r.get("secant_cosines", []) if s >= 8]
+        methods[method] = {
+            "best_lr": best, "seeds": [r["seed"] for r in rs],
+            **{k: [_reached(r, bt)[k] for r in rs] for k in _reached(rs[0], bt)},
+            "final": [r["final_accuracy"] for r in rs],
+            "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"]]
+                               for r in rs],
+            "secant_cosine": statistics.fmean(cos) if cos else None,
+            "tokens_per_step": _mean([r.get("tokens_per_step") for r in rs]),
+            "per_lr": per_lr,
+        }
+    out["methods"] = methods
+    noise = [r for r in results["runs"].values() if r["cell"] == cell_name and r["method"] == "noise"]
+    out["noise"] = noise[0].get("noise") if noise else None
+    if "plain" not in methods or "effopd" not in methods:
+        return {**out, "status": "partial"}
+    p, e = methods["plain"], methods["effopd"]
+    paired = [s for s in e["seeds"] if s in p["seeds"]]
+    ratios: dict[str, list[float | None]] = {}
+    for f in FRACTIONS:
+        for what in ("steps", "seconds"):
+            k = f"{what}_{f:g}"
+            vals = []
+            for s in paired:
+                ps, es = p[k][p["seeds"].index(s)], e[k][e["seeds"].index(s)]
+                vals.append(None if ps is None or es is None or es == 0 else ps / es)
+            ratios[k] = vals
+    out["paired_seeds"] = paired
+    out["ratios"] = ratios
+    reach = p[f"steps_{COUNT_FRACTION:g}"]
+    out["counts"] = bool(all(x is not None for x in reach) and bt["gain"] >= MIN_GAIN_SE * bt["gain_se"])
+    out["count_reason"] = ("counts" if out["counts"] else
+                           "plain at its best lr misses 75% of the gain on some seed"
+                           if any(x is None for x in reach) else "gain under 5 eval SEs")
+    # The verdict's fraction: 0.9 when both reach it on every paired seed, else 0.75.
+    out["verdict_fraction"] = next((f for f in (0.9, 0.75, 0.5)
+                                    if all(x is not None for x in ratios[f"steps_{f:g}"])), None)
+    out["status"] = "stage 2 done" if len(paired) >= 1 + len(a.stage2_seeds) else "stage 1 only"
+    return out
+
+
+def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    return {name: summarize_cell(a, results, name) for name in a.cell_specs}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _rng(xs: list[Any], fmt: str = "{:.0f}") -> str:
+    if not xs:
+        return "—"
+    got = [x for x in xs if x is not None]
+    if len(got) < len(xs):
+        return f"{len(got)}/{len(xs)} reached" + (f" ({fmt.format(statistics.fmean(got))})" if got else "")
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(statistics.fmean(xs))} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
+
+
+def _ratios(xs: list[float | None]) -> str:
+    return ", ".join("—" if x is None else f"{x:.2f}" for x in xs) or "—"
+
+
+def verdict(summary: dict[str, Any]) -> str:
+    """The one sentence the study exists for."""
+    wins, largest = [], None
+    for name, c in summary.items():
+        if c.get("ratios") is None:
+            continue
+        for k, vals in c["ratios"].items():
+            if k.startswith("steps_"):
+                for s, v in zip(c["paired_seeds"], vals, strict=True):
+                    if v is not None and (largest is None or v > largest[0]):
+                        largest = (v, name, k.split("_")[1], s)
+        f = c["verdict_fraction"]
+        vals = c["ratios"][f"steps_{f:g}"] if f is not None else []
+        if c["counts"] and len(vals) >= 3 and all(v is not None and v >= SPEEDUP_BAR for v in vals):
+            wins.append(f"{name} ({_ratios(vals)} to {f:.0%} of the gain)")
+    counted = sum(bool(c.get("counts")) for c in summary.values())
+    if wins:
+        return (f"EffOPD was ≥{SPEEDUP_BAR}× faster in steps than plain OPD at its best lr on every "
+                f"paired seed (3 seeds) in: {'; '.join(wins)}.")
+    big = ("no ratio was measured" if largest is None else
+           f"the largest paired-seed ratio measured anywhere was {largest[0]:.2f}× "
+           f"({largest[1]}, to {float(largest[2]):.0%} of the gain, seed {largest[3]})")
+    return (f"No counted cell ({counted} counted) showed EffOPD ≥{SPEEDUP_BAR}× faster than plain "
+            f"OPD at its best lr on every paired seed; {big}.")
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    s, m, cfg = results["summary"], results["machine"], results["config"]
+    counted = [n for n, c in s.items() if c.get("counts")]
+    lines = [
+        "# The regime map: EffOPD vs plain OPD at its best learning rate",
+        "",
+        f"Made by `{m.get('command')}` at {m.get('git_commit')} on {m.get('cpu_model')} "
+        f"({m.get('device')}, torch {m.get('torch')}, {m.get('torch_threads')} thread). Full-vocabulary "
+        f"reverse KL; zoo size `{cfg['size']}`; eval every {cfg['eval_every']} steps on "
+        f"min({cfg['eval_size']}, the test split) held-out problems; runs stop at "
+        f"{STOP_FRACTION:.0%} of the teacher's gain over the base (cap {cfg['max_steps']} steps). "
+        "EffOPD: −reverse-KL gate on fixed rollouts, geometric c, searches at steps 1, 2, 4, 8, …; "
+        "its seconds include every gate evaluation. Mean [min–max] over seeds; ratios are plain ÷ "
+        "EffOPD per paired seed (>1: EffOPD faster).",
+        "",
+        f"**Verdict.** {verdict(s)}",
+        "",
+        f"**Cells counted: {len(counted)} of {sum(c.get('status') != 'not run' for c in s.values())} run** "
+        f"(a cell counts when plain at its best lr reaches {COUNT_FRACTION:.0%} of the gain on "
+        f"every seed and the gain is ≥{MIN_GAIN_SE:g} eval standard errors): "
+        f"{', '.join(counted) or 'none'}.",
+        "",
+        "## The map",
+        "",
+    ]
+    headers = ["cell", "tokens/step", "B_noise (prompts / tokens)", "base → teacher", "counts",
+               "plain best lr", "EffOPD best lr", "steps to 50/75/90% plain", "EffOPD",
+               "seconds to 90% plain", "EffOPD", "paired ratio (steps) at", "seconds ratio",
+               "secant cos (plain, s≥8)", "status"]
+    rows = []
+    for name, c in s.items():
+        if c["status"] == "not run":
+            continue
+        p, e = c["methods"].get("plain"), c["methods"].get("effopd")
+        noise = c.get("noise")
+        nz = "—" if not noise else f"{noise['b_noise_rows']:.0f} / {noise['b_noise_tokens']:.0f}"
+        tps = p and p.get("tokens_per_step")
+        f = c.get("verdict_fraction")
+
+        def steps(x: dict[str, Any] | None) -> str:
+            return "—" if x is None else " / ".join(_rng(x[f"steps_{fr:g}"]) for fr in FRACTIONS)
+
+        rows.append([
+            name, "—" if not tps else f"{tps:.0f}", nz,
+            f"{c['base']:.1%} → {c['teacher_accuracy']:.1%} (SE {c['gain_se']:.1%})",
+            "yes" if c.get("counts") else f"no: {c.get('count_reason', c['status'])}",
+            "—" if p is None else f"{p['best_lr']:g}", "—" if e is None else f"{e['best_lr']:g}",
+            steps(p), steps(e),
+            "—" if p is None else _rng(p["seconds_0.9"], "{:.1f}"),
+            "—" if e is None else _rng(e["seconds_0.9"], "{:.1f}"),
+            "—" if f is None else f"{f:.0%}: {_ratios(c['ratios'][f'steps_{f:g}'])}",
+            "—" if f is None else _ratios(c["ratios"][f"seconds_{f:g}"]),
+            "—" if p is None or p["secant_cosine"] is None else f"{p['secant_cosine']:.2f}",
+            c["status"]])
+    lines += [markdown_table(headers, rows), ""]
+    lines += ["![heat map](regimes_map.png)", ""] if a.stem == STEM else []
+    # Every lr of every cell.
+    lines += ["## Every learning rate", "",
+              "Steps to 50 / 75 / 90% of the gain per seed ('—': not reached in the cap); "
+              "'degraded': final accuracy below the start, or a crash.", ""]
+    for name, c in s.items():
+        if c["status"] == "not run":
+            continue
+        rows = []
+        for method, v in c["methods"].items():
+            for lr, d in v["per_lr"].items():
+                cells = [" / ".join("—" if d[f"steps_{fr:g}"][i] is None else str(d[f"steps_{fr:g}"][i])
+                                    for fr in FRACTIONS) for i in range(len(d["seeds"]))]
+                ret = "" if all(x is None for x in d["retention"]) else (
+                    "; kept " + ", ".join(f"{x:.1%}" for x in d["retention"]))
+                rows.append([method, lr, "; ".join(cells), _rng(d["final"], "{:.1%}") + ret,
+                             "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
+        lines += [f"### {name}", "", markdown_table(
+            ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
+    not_run = [n for n, c in s.items() if c["status"] in ("not run", "partial")]
+    missing = [n for n, c in s.items() if c["status"] == "stage 1 only"]
+    lines += ["## Not run", ""]
+    reasons = results.get("unavailable", {})
+    for n in not_run:
+        lines.append(f"- {n}: " + (reasons.get(n) or "not reached within the CPU budget"))
+    for n in missing:
+        lines.append(f"- {n}: stage 2 (seeds {', '.join(map(str, a.stage2_seeds))} at each method's "
+                     "best lrs) not run within the CPU budget")
+    if not not_run and not missing:
+        lines.append("- every cell of the grid ran.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
+    """Heat map: rows teacher/optimizer, columns tokens-per-step level; colour the smallest
+    paired-seed step ratio (plain ÷ EffOPD) at the verdict's fraction; text the ratios and
+    B_noise; gray: not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    s = results["summary"]
+    levels = list(dict.fromkeys(c["level"] for c in s.values()))
+    rows = list(dict.fromkeys(f"{c['teacher']}/{c['optimizer']}" for c in s.values()))
+    grid = np.full((len(rows), len(levels)), np.nan)
+    fig, ax = plt.subplots(figsize=(2.6 * len(levels) + 2, 1.1 * len(rows) + 1.5))
+    for c in s.values():
+        i, j = rows.index(f"{c['teacher']}/{c['optimizer']}"), levels.index(c["level"])
+        f = c.get("verdict_fraction")
+        text = c["status"]
+        if f is not None:
+            vals = [v for v in c["ratios"][f"steps_{f:g}"] if v is not None]
+            grid[i, j] = min(vals)
+            text = (f"{'/'.join(f'{v:.2f}' for v in vals)}× @{f:.0%}\n"
+                    f"{'counts' if c['counts'] else 'not counted'}")
+        if c.get("noise"):
+            text += f"\nB_noise {c['noise']['b_noise_rows']:.0f} prompts"
+        ax.text(j, i, text, ha="center", va="center", fontsize=7)
+    cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="lightgray")
+    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.5, vmax=1.5, aspect="auto")
+    ax.set_xticks(range(len(levels)), levels)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("task / prompts per step")
+    ax.set_title("EffOPD speed-up in steps over plain OPD, each at its best lr\n"
+                 "(colour: worst paired seed; >1 EffOPD faster; gray: not run)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="plain ÷ EffOPD steps (worst seed)")
+    fig.tight_layout()
+    fig.savefig(out / f"{a.stem}_map.png", dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def save(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
+    results["summary"] = summarize(a, results)
+    write_results(str(out), a.stem, results, report(a, results))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm.auto import tqdm
+
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{a.stem}.json"
+    results: dict[str, Any] = {"runs": {}, "bases": {}, "unavailable": {}}
+    if path.exists() and not a.fresh:
+        old = json.loads(path.read_text())
+        results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
+    results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
+    results["cells"] = a.cell_specs
+    results["machine"] = machine_info(torch.device(a.device))
+    if a.report_only:
+        save(a, results, out)
+        plot(a, results, out)
+        return 0
+    models = Models(a)
+    start = time.perf_counter()
+    bar = tqdm(desc=f"{a.stem} runs", dynamic_ncols=True, unit="run")
+    for stage in a.stage_list:
+        for name in a.names:
+            cell = a.cell_specs[name]
+            pair = models.get(cell["task"], cell["teacher"])
+            if "error" in pair:
+                results["unavailable"][name] = f"pair not available: {pair['error']}"
+                continue
+            while todo := pending(a, results, name, stage):
+                if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
+                    tqdm.write(f"budget of {a.budget_s:.0f}s spent; rerun to continue")
+                    save(a, results, out)
+                    plot(a, results, out)
+                    return 0
+                method, lr, seed, noise = todo[0]
+                bar.set_postfix_str(f"{name} {method} lr {lr:g} seed {seed}")
+                run = run_one(a, results, models, name, method, lr, seed, noise=noise)
+                results["runs"][run_key(name, method, lr, seed)] = run
+                save(a, results, out)
+                bar.update(1)
+                tqdm.write(f"{name} {method} lr {lr:g} seed {seed}: {run['wall_seconds']:.0f}s, "
+                           f"final {run['final_accuracy']}, evals {len(run['evals'])}")
+    bar.close()
+    save(a, results, out)
+    plot(a, results, out)
+    print(report(a, results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

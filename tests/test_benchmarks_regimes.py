@@ -1,0 +1,125 @@
+"""`benchmarks/regimes.py --smoke`: the staged grid runs end to end, writes the json / md / heat
+map, and a rerun skips every finished run. The numbers belong to the committed full run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from benchmarks import regimes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("regimes")
+    assert regimes.main(["--smoke", "--out", str(out)]) == 0
+    return out
+
+
+def test_smoke_writes_the_staged_grid(smoke):
+    results = json.loads((smoke / "regimes-smoke.json").read_text())
+    (name, cell), = results["cells"].items()
+    runs = results["runs"]
+    lrs = cell["lrs"]
+    # Stage 1: every lr, both methods, seed 0; each run stopped at the target or the cap.
+    for lr in lrs:
+        for method in ("plain", "effopd"):
+            r = runs[regimes.run_key(name, method, lr, 0)]
+            assert r["evals"][0][0] == 0 and r["evals"][-1][0] <= results["config"]["max_steps"]
+            assert r["cell"] == name and r["method"] == method and r["lr"] == lr
+    # The noise pass at plain's best lr: micro-batch gradients are noisier than whole-step ones.
+    noise = [r for r in runs.values() if r["method"] == "noise"]
+    assert len(noise) == 1
+    n = noise[0]["noise"]
+    assert n["steps"] == results["config"]["noise_steps"]
+    assert n["grad_sq_small"] > n["grad_sq_big"] > 0
+    # Stage 2: seed 1 at each method's two best lrs (both lrs here).
+    assert {(r["method"], r["lr"]) for r in runs.values() if r["seed"] == 1} == {
+        (m, lr) for m in ("plain", "effopd") for lr in lrs}
+    # EffOPD searched at steps 1, 2, 4 (runs that stopped early searched less).
+    eff = runs[regimes.run_key(name, "effopd", lrs[0], 0)]
+    assert [j["step"] for j in eff["jumps"]] == [s for s in (1, 2, 4) if s <= eff["evals"][-1][0]]
+    assert all(-1 <= c <= 1 for _, c in runs[regimes.run_key(name, "plain", lrs[0], 0)]["secant_cosines"])
+    s = results["summary"][name]
+    assert s["status"] == "stage 2 done" and s["paired_seeds"] == [0, 1]
+    assert set(s["methods"]) == {"plain", "effopd"} and s["noise"] == n
+    assert set(s["ratios"]) == {f"{w}_{f:g}" for w in ("steps", "seconds") for f in regimes.FRACTIONS}
+    md = (smoke / "regimes-smoke.md").read_text()
+    assert "**Verdict.**" in md and "## The map" in md and "## Not run" in md and name in md
+    assert (smoke / "regimes-smoke_map.png").stat().st_size > 0
+
+
+def test_rerun_skips_finished_runs(smoke, monkeypatch):
+    before = json.loads((smoke / "regimes-smoke.json").read_text())["runs"]
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("a finished run was run again")
+
+    monkeypatch.setattr(regimes, "run_one", no_runs)
+    assert regimes.main(["--smoke", "--out", str(smoke)]) == 0
+    after = json.loads((smoke / "regimes-smoke.json").read_text())
+    assert after["runs"] == before and after["summary"]
+
+
+def test_verdict_names_a_cell_only_when_every_paired_seed_clears_the_bar():
+    def cell(ratios, counts=True):
+        return {"counts": counts, "paired_seeds": [0, 1, 2], "verdict_fraction": 0.9,
+                "ratios": {"steps_0.9": ratios}}
+
+    assert "No counted cell" in regimes.verdict({"a": cell([1.3, 1.25, 1.19])})
+    assert "1.30×" in regimes.verdict({"a": cell([1.3, 1.25, 1.19])})
+    assert "in: a" in regimes.verdict({"a": cell([1.3, 1.25, 1.2])})
+    assert "No counted cell" in regimes.verdict({"a": cell([1.3, 1.25, 1.2], counts=False)})
+
+
+def test_every_cell_config_is_valid():
+    from lookahead_opd.integrations.opd.config import OPDConfig
+
+    args = regimes.parse_args([])
+    for cell in args.cell_specs.values():
+        assert cell["optimizer"] in ("adamw", "sgd")
+        for lr in cell["lrs"]:
+            OPDConfig(task="arithmetic", learning_rate=lr, batch_size=cell["prompts"],
+                      loss=regimes.LOSS, **regimes.EFFOPD).validate(check_paths=False)
+
+
+def test_retention_gate_rejects_every_jump_past_the_budget():
+    """``run_variant(trainer_class=...)`` trains through the subclass: under a base gate whose
+    score rises at every call, jumps are kept when the held-out floor is met and none when not."""
+    import torch
+    from lookahead_opd.integrations.opd.compare import run_variant
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+    from lookahead_opd.integrations.opd.zoo import build_pair
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pair = build_pair(progress=False)
+    tok = AutoTokenizer.from_pretrained(pair.student_path)
+    student, teacher = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)
+                        for p in (pair.student_path, pair.teacher_path))
+    held = load_task("arithmetic:ops=-")
+    held_out = {"task": held, "problems": held.problems("gate", 8)}
+    config = OPDConfig(task="arithmetic", output_dir="/tmp/lookahead-opd-test-retention",
+                       max_steps=2, batch_size=4, learning_rate=1e-3, loss=regimes.LOSS,
+                       eval_every=0, eval_size=8, progress=False,
+                       **{**regimes.EFFOPD, "gate_size": 8})
+    class Rising(OPDTrainer):
+        calls = 0
+
+        def gate_score(self) -> float:
+            Rising.calls += 1
+            return float(Rising.calls)
+
+    kept = {}
+    for floor in (-1.0, 2.0):
+        run = run_variant(config, student, teacher, load_task("arithmetic"), tok,
+                          trainer_class=regimes.retention_gate(Rising, held_out, floor))
+        kept[floor] = [j["accepted"] for j in run["jumps"]]
+        assert run["gate_evals"] > 0
+    assert len(kept[-1.0]) == 2 and all(c is not None for c in kept[-1.0])
+    assert kept[2.0] == [None, None]
