@@ -10,9 +10,15 @@ from typing import Any
 
 import torch
 
-from lookahead_opd import Extrapolator, JumpRecord
+from lookahead_opd import Extrapolator, JumpRecord, Summary
 
-__all__ = ["LOG_PREFIX", "RESERVED_OPTIONS", "check_extrapolator_options", "jump_scalars"]
+__all__ = [
+    "LOG_PREFIX",
+    "RESERVED_OPTIONS",
+    "check_extrapolator_options",
+    "jump_scalars",
+    "summary_scalars",
+]
 
 LOG_PREFIX = "extrapolation/"
 # Options a callback sets itself: the params, the gate and the framework's optimizer.
@@ -53,6 +59,9 @@ def jump_scalars(record: JumpRecord, history: list[JumpRecord] | None = None) ->
         "direction_norm": float(record.direction_norm),
         "step": float(record.step),
     }
+    for k in ("secant_cosine", "norm_ratio"):  # None at the first search
+        if getattr(record, k) is not None:
+            logs[k] = float(getattr(record, k))
     if history is not None:
         logs["searches"] = float(len(history))
         logs["jumps"] = float(sum(r.accepted is not None for r in history))
@@ -61,3 +70,11 @@ def jump_scalars(record: JumpRecord, history: list[JumpRecord] | None = None) ->
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             logs[f"geometry/{k}"] = float(v)
     return {LOG_PREFIX + k: v for k, v in logs.items()}
+
+
+
+def summary_scalars(summary: Summary) -> dict[str, float]:
+    """``Extrapolator.summary()`` as logger scalars (``None`` dropped), keys under
+    ``LOG_PREFIX + "summary/"``."""
+    return {f"{LOG_PREFIX}summary/{k}": float(v) for k, v in summary.to_dict().items()
+            if v is not None}

@@ -38,7 +38,12 @@ from lookahead_opd.extrapolator import ParamsSpec
 from lookahead_opd.selection import trainable, transformer_blocks
 from lookahead_opd.snapshot import SnapshotStore
 
-from .callback_support import LOG_PREFIX, check_extrapolator_options, jump_scalars
+from .callback_support import (
+    LOG_PREFIX,
+    check_extrapolator_options,
+    jump_scalars,
+    summary_scalars,
+)
 
 __all__ = ["LOG_PREFIX", "ExtrapolationCallback", "jump_scalars"]
 
@@ -173,6 +178,15 @@ class ExtrapolationCallback(Callback):
                 values = jump_scalars(record, self.extrapolator.history)
                 for lg in trainer.loggers:
                     lg.log_metrics(values, step=trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log what the searches bought (``Extrapolator.summary``)."""
+        if self.extrapolator is None:
+            return
+        summary = self.extrapolator.summary()
+        logger.info("extrapolation: %s", summary)
+        for lg in trainer.loggers:
+            lg.log_metrics(summary_scalars(summary), step=trainer.global_step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

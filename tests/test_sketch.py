@@ -201,3 +201,35 @@ def test_sketch_state_is_checked_and_added_params_restart_it():
     other = SecantSketch(10)
     with pytest.raises(ValueError, match="size"):
         other.load_state_dict(ex.secant.state_dict())
+
+
+def test_summary_counts_what_the_searches_bought():
+    """On a straight path the gate keeps jumps; the summary's extra distance is the jumps'
+    length over the optimizer's, both measured here from the weights themselves."""
+    w = torch.zeros(200, requires_grad=True)
+    target = torch.linspace(-1, 1, 200)
+    opt = torch.optim.SGD([w], lr=0.01)
+    ex = Extrapolator([w], lambda: -float((w - target).square().sum()))
+    jumped = moved = 0.0
+    last = w.detach().clone()
+    for _ in range(40):
+        w.grad = 2 * (w.detach() - target)
+        opt.step()
+        before = w.detach().clone()
+        if ex.after_step() is not None:
+            moved += float((before - last).norm())
+            jumped += float((w.detach() - before).norm())
+            last = w.detach().clone()
+    s = ex.summary()
+    assert s.searches == len(ex.history) == 6
+    assert s.kept_jumps == sum(r.accepted is not None for r in ex.history) > 0
+    assert s.gate_evals == sum(r.n_evals for r in ex.history)
+    assert s.extra_distance == pytest.approx(jumped / moved, rel=1e-5)
+    assert s.mean_secant_cosine == pytest.approx(1.0, abs=1e-6)  # gradient descent on a quadratic
+    # ... and a gate that never improves keeps nothing.
+    w2 = torch.zeros(10, requires_grad=True)
+    never = Extrapolator([w2], lambda: 0.0)
+    never.after_step()
+    assert never.summary().kept_jumps == 0 and never.summary().extra_distance == 0.0
+    assert never.summary().mean_secant_cosine is None
+    assert "1 searches" in str(never.summary())

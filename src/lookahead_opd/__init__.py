@@ -5,7 +5,7 @@ holds the Hugging Face, vLLM and on-policy-distillation code and imports those l
 """
 
 from .distributed import resharding
-from .extrapolator import Extrapolator, JumpRecord
+from .extrapolator import Extrapolator, JumpRecord, Summary
 from .optimizer import ExtrapolatingOptimizer
 from .schedule import Every, PowersOfTwo, Schedule, Steps
 from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
@@ -16,6 +16,7 @@ __all__ = [
     "ExtrapolatingOptimizer",
     "Extrapolator",
     "JumpRecord",
+    "Summary",
     "Schedule",
     "PowersOfTwo",
     "Every",

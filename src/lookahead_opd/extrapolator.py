@@ -33,7 +33,7 @@ from .schedule import CoefficientSpec, ScheduleSpec, make_schedule, resolve_coef
 from .sketch import SecantSketch
 from .snapshot import FullSnapshot, LowRankSnapshot, ReferenceSpec, SnapshotStore
 
-__all__ = ["Extrapolator", "JumpRecord", "ParamsSpec"]
+__all__ = ["Extrapolator", "JumpRecord", "ParamsSpec", "Summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,35 @@ class JumpRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JumpRecord:
         return cls(**dict(d))
+
+
+@dataclass
+class Summary:
+    """What the searches bought (``Extrapolator.summary()``). ``search_seconds`` covers gate
+    evaluations and candidate writes; ``mean_secant_cosine`` is ``None`` before the second
+    search; ``extra_distance`` is ``Σ c·‖Δ‖`` over kept jumps divided by ``Σ ‖Δ‖`` over all
+    searches: the distance the jumps added, as a multiple of the distance the optimizer moved
+    (a large value hints that a larger learning rate may do the same; with
+    ``direction="averaged"`` it counts the ``c·‖Δ‖`` part of a jump, not the move to the
+    window average)."""
+
+    searches: int
+    kept_jumps: int
+    gate_evals: int
+    search_seconds: float
+    mean_secant_cosine: float | None
+    extra_distance: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        cos = "n/a" if self.mean_secant_cosine is None else f"{self.mean_secant_cosine:.2f}"
+        return (
+            f"{self.searches} searches, {self.kept_jumps} jumps kept, {self.gate_evals} gate "
+            f"evals in {self.search_seconds:.1f}s, mean secant cosine {cos}, kept jumps moved "
+            f"{self.extra_distance:.2f}x the distance the optimizer did"
+        )
 
 
 def _named(params: ParamsSpec) -> list[tuple[str, Tensor]]:
@@ -409,6 +438,21 @@ class Extrapolator:
         from .geometry import summarize
 
         return summarize(_LazyDirections(self, backup))
+
+    def summary(self) -> Summary:
+        """What the searches bought so far, from ``history`` (see ``Summary``)."""
+        h = self.history
+        cosines = [r.secant_cosine for r in h if r.secant_cosine is not None]
+        moved = sum(r.direction_norm for r in h)
+        extra = sum(r.accepted * r.direction_norm for r in h if r.accepted is not None)
+        return Summary(
+            searches=len(h),
+            kept_jumps=sum(r.accepted is not None for r in h),
+            gate_evals=sum(r.n_evals for r in h),
+            search_seconds=sum(r.seconds for r in h),
+            mean_secant_cosine=sum(cosines) / len(cosines) if cosines else None,
+            extra_distance=extra / moved if moved > 0 else 0.0,
+        )
 
     # ------------------------------------------------------------------ memory and state
     def nbytes(self) -> dict[str, int]:
