@@ -40,7 +40,8 @@ class OPDConfig:
     teacher: str = _opt("", "teacher: a Hugging Face causal LM id or local directory")
     task: str = _opt(
         "arithmetic",
-        "task spec: arithmetic[:key=value,...], gsm8k:path=FILE|name=HUB_ID, or module:Class",
+        "task spec: arithmetic[:key=value,...], longadd[:digits=4], gsm8k:path=FILE|name=HUB_ID, "
+        "or module:Class",
     )
     output_dir: str = _opt("runs/opd", "where checkpoints, metrics.jsonl and plots go")
     # rollouts

@@ -49,3 +49,56 @@ def test_arithmetic_answers_and_unknown_tasks():
         load_task("nope")
     with pytest.raises(ValueError, match="unknown option"):
         load_task("arithmetic:size=3")
+
+
+def test_longadd_solutions_round_trip_and_are_20_to_80_tokens():
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    for digits in (3, 4, 7):
+        task = load_task(f"longadd:digits={digits},count=500")
+        problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+        assert len({p.prompt for p in problems}) == 500
+        for p in problems:
+            completion = task.sft_text(p)[len(p.prompt):]
+            ids = tok(completion, add_special_tokens=False)["input_ids"]
+            assert tok.unk_token_id not in ids and tok.decode(ids) == completion
+            assert 20 <= len(ids) <= 80 and len(ids) + 1 <= task.max_new_tokens  # + EOS
+            assert task.is_correct(completion, p)
+            a, b = (int(x) for x in p.prompt[:-1].split("+"))
+            assert int(p.answer) == a + b
+            # The worked steps are the columns' sums with the carry of the column before.
+            carry = 0
+            for i, step in enumerate(completion.split(" ")[:digits]):
+                lhs, s = step.split("=")
+                x, y, c = (int(v) for v in lhs.split("+"))
+                assert (x, y, c) == (a // 10**i % 10, b // 10**i % 10, carry) and int(s) == x + y + c
+                carry = int(s) // 10
+
+
+def test_longadd_grades_only_the_final_answer():
+    task = load_task("longadd:digits=3")
+    p = Problem("247+520=", "767")
+    assert task.sft_text(p) == "247+520=7+0+0=7 4+2+0=6 2+5+0=7 (767)"
+    assert task.is_correct("7+0+0=7 4+2+0=6 2+5+0=7 (767)", p)
+    assert task.is_correct("garbled steps (767)", p)  # exact match on the answer, not the steps
+    assert not task.is_correct("7+0+0=7 4+2+0=6 2+5+0=7 (768)", p)
+    assert not task.is_correct("7+0+0=7 4+2+0=6 2+5+0=7 767", p)  # no answer given
+    assert task.extract_answer("(0767)") == "767" and task.extract_answer("") is None
+
+
+def test_longadd_bad_input():
+    with pytest.raises(ValueError, match="digits must be in 3..7"):
+        load_task("longadd:digits=2")
+    with pytest.raises(ValueError, match="count must be in 100.."):
+        load_task("longadd:count=5")
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        load_task("longadd:max_new_tokens=-1")
+    with pytest.raises(ValueError, match="expected int"):
+        load_task("longadd:digits=four")
+    with pytest.raises(ValueError, match="unknown option 'ops'"):
+        load_task("longadd:ops=+")
+    from lookahead_opd.integrations.opd.tasks.longadd import worked_addition
+
+    with pytest.raises(ValueError, match="operands must be in 0..999"):
+        worked_addition(1000, 1, 3)

@@ -72,15 +72,17 @@ class Task(ABC):
 
 
 def load_task(spec: str) -> Task:
-    """``arithmetic[:ops=+-,digits=3]``, ``gsm8k:path=FILE`` or ``gsm8k:name=HUB_ID``, or
+    """``arithmetic[:ops=+-,digits=3]``, ``longadd[:digits=4]``, ``gsm8k:path=FILE`` or ``gsm8k:name=HUB_ID``, or
     ``package.module:ClassName`` (a ``Task`` subclass, built without arguments)."""
     from .arithmetic import ArithmeticTask
     from .gsm8k import GSM8KTask
+    from .longadd import LongAdditionTask
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError("task spec must be a non-empty string")
     name, _, options = spec.strip().partition(":")
-    builtin: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "gsm8k": GSM8KTask}
+    builtin: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "longadd": LongAdditionTask,
+                                     "gsm8k": GSM8KTask}
     if name in builtin:
         return builtin[name](**_parse_options(builtin[name], options))
     if options and "=" not in options and "." in name:
@@ -92,7 +94,7 @@ def load_task(spec: str) -> Task:
         if not (isinstance(cls, type) and issubclass(cls, Task)):
             raise ValueError(f"{spec!r} is not a Task subclass")
         return cls()
-    raise ValueError(f"unknown task {name!r}; expected arithmetic, gsm8k or module:Class")
+    raise ValueError(f"unknown task {name!r}; expected arithmetic, longadd, gsm8k or module:Class")
 
 
 def _parse_options(cls: type[Task], options: str) -> dict[str, Any]:
