@@ -10,31 +10,29 @@ import torch
 
 from lookahead_opd import Extrapolator
 from lookahead_opd.distributed import ShardLayout
-from lookahead_opd.sketch import (
-    ACCURACY,
-    SecantSketch,
-    _mix,
-    cosine_tolerance,
-    sketch_size,
-)
+from lookahead_opd.sketch import ACCURACY, SecantSketch, _slots, cosine_tolerance, sketch_size
 
 SHAPES = [(400, 1000), (3000,), (20, 30, 50)]  # 433,000 elements
 NUMEL = sum(math.prod(s) for s in SHAPES)
 
 
-def _splitmix64(x: int) -> int:
-    """The reference finaliser on unsigned 64-bit Python ints."""
+def _reference_slot(x: int, n: int) -> int:
+    """The slot hash on unsigned 64-bit Python ints: splitmix64's two multiply rounds, then
+    the top 31 bits scaled to ``n``."""
     mask = (1 << 64) - 1
     x &= mask
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
-    return x ^ (x >> 31)
+    return ((x >> 33) * n) >> 31
 
 
-def test_the_hash_is_splitmix64_in_wrapping_int64():
+def test_the_hash_wraps_like_unsigned_64_bit_arithmetic():
     xs = [0, 1, 2, 12345678901, -5, (1 << 63) - 1, -(1 << 63)]
-    got = _mix(torch.tensor(xs, dtype=torch.int64)).tolist()
-    assert [h & ((1 << 64) - 1) for h in got] == [_splitmix64(x) for x in xs]
+    got = _slots(torch.tensor(xs, dtype=torch.int64), 12800).tolist()
+    assert got == [_reference_slot(x, 12800) for x in xs]
+    # ... and spreads consecutive indices evenly over the slots.
+    counts = torch.bincount(_slots(torch.arange(128_000), 128), minlength=128)
+    assert int(counts.min()) > 800 and int(counts.max()) < 1200
 
 
 def test_size_follows_the_documented_rule():

@@ -36,10 +36,11 @@ Z = 4.0  # standard deviations the bound allows
 MIN_FRACTION = 0.01  # the sketch has at least 1% as many buckets as the direction has elements
 _CHUNK = 1 << 18  # elements hashed at a time: bounds the int64 scratch to a few MiB
 
-# splitmix64 (Steele, Lea & Flood 2014) in int64 arithmetic, which wraps modulo 2^64.
+# splitmix64's constants (Steele, Lea & Flood 2014), as int64 (whose arithmetic wraps mod 2^64).
 _GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
 _M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _M2 = 0x94D049BB133111EB - (1 << 64)
+_LOW31 = (1 << 31) - 1
 
 
 def sketch_size(numel: int) -> int:
@@ -52,27 +53,33 @@ def cosine_tolerance(size: int) -> float:
     return Z / math.sqrt(size)
 
 
-def _srl(x: Tensor | int, s: int) -> Tensor | int:
-    """Logical right shift of int64 values (``>>`` is arithmetic on signed ints)."""
+def _srl(x: int, s: int) -> int:
+    """Logical right shift of an int64 value (``>>`` is arithmetic on signed ints)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix(x: Tensor | int) -> Tensor | int:
-    """splitmix64's finaliser; a Python int in [−2⁶³, 2⁶³) gives the same bits as a tensor."""
+def _wrap(x: int) -> int:
+    """A Python int wrapped to int64, as tensor arithmetic would."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _key(param_index: int, seed: int) -> int:
+    """splitmix64 of ``(seed, param_index)``: where parameter ``param_index``'s indices start."""
+    x = _wrap((seed + 1) * _GAMMA + param_index * _M1)
     x = _wrap((x ^ _srl(x, 30)) * _M1)
     x = _wrap((x ^ _srl(x, 27)) * _M2)
     return x ^ _srl(x, 31)
 
 
-def _wrap(x: Tensor | int) -> Tensor | int:
-    if isinstance(x, int):  # Python ints do not overflow: wrap to int64 by hand
-        x &= (1 << 64) - 1
-        return x - (1 << 64) if x >= 1 << 63 else x
-    return x
-
-
-def _key(param_index: int, seed: int) -> int:
-    return _mix(_wrap((seed + 1) * _GAMMA + param_index * _M1))  # type: ignore[return-value]
+def _slots(x: Tensor, n: int) -> Tensor:
+    """Hash int64 ``x`` in place to slots in ``[0, n)``: splitmix64's two multiply rounds, then
+    the top 31 bits scaled to ``n`` (multiply-shift, no division). Slot ``2b + s`` is bucket
+    ``b`` with sign ``(−1)^s``."""
+    for shift, m in ((30, _M1), (27, _M2)):
+        x.bitwise_xor_(x.bitwise_right_shift(shift).bitwise_and_((1 << (64 - shift)) - 1))
+        x.mul_(m)
+    return x.bitwise_right_shift_(33).bitwise_and_(_LOW31).mul_(n).bitwise_right_shift_(31)
 
 
 def _global_flat(start: int, stop: int, local_shape: torch.Size, layout: ShardLayout | None,
@@ -129,9 +136,10 @@ class SecantSketch:
                         continue
                 stop = min(start + _CHUNK, flat.numel())
                 values = flat[start:stop].to(device=out.device, dtype=torch.float64) * weight
-                h = _mix(_global_flat(start, stop, delta.shape, layout, out.device) + key)
-                signed = torch.where((h & 1).bool(), -values, values)
-                out.index_add_(0, _srl(h, 1) % self.size, signed)
+                slots = _slots(_global_flat(start, stop, delta.shape, layout, out.device).add_(key),
+                               2 * self.size)
+                acc = torch.bincount(slots, weights=values, minlength=2 * self.size)
+                out[:-1] += acc[0::2] - acc[1::2]
                 out[-1] += values.square().sum() / weight
         if out is None:
             out = torch.zeros(self.size + 1, dtype=torch.float64)
