@@ -1,47 +1,73 @@
-"""What the training-framework callbacks (HF ``Trainer``, Lightning) share: checking the
-``Extrapolator`` options a user passes, and the scalars one search sends to the loggers.
+"""What the training-framework callbacks (HF ``Trainer``, Lightning) share: choosing the
+parameters, checking the ``Extrapolator`` options a user passes, building the extrapolator, and
+the scalars one search sends to the loggers.
 Torch and the core only, so each adapter imports it without the other's framework."""
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping
+import copy
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
+from torch import nn
 
-from lookahead_opd import Extrapolator, JumpRecord, Summary
+from lookahead_opd import ExtrapolationOptions, Extrapolator, JumpRecord, Summary
+from lookahead_opd.extrapolator import ParamsSpec
+from lookahead_opd.selection import trainable, transformer_blocks
+from lookahead_opd.snapshot import SnapshotStore
 
-__all__ = [
-    "LOG_PREFIX",
-    "RESERVED_OPTIONS",
-    "check_extrapolator_options",
-    "jump_scalars",
-    "summary_scalars",
-]
+__all__ = ["LOG_PREFIX", "PARAM_SELECTORS", "RESERVED_OPTIONS", "check_extrapolator_options",
+           "param_selector", "build_extrapolator", "jump_scalars", "summary_scalars"]
 
 LOG_PREFIX = "extrapolation/"
 # Options a callback sets itself: the params, the gate and the framework's optimizer.
 RESERVED_OPTIONS = ("params", "eval_fn", "optimizer")
+# What ``params=`` may name: which of the model's parameters to extrapolate.
+PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
+    "trainable": trainable,
+    "transformer_blocks": transformer_blocks,
+}
+
+
+def param_selector(params: str | Callable[[nn.Module], ParamsSpec]
+                   ) -> Callable[[nn.Module], ParamsSpec]:
+    """``params=`` as a function model -> params: a ``PARAM_SELECTORS`` name or a callable."""
+    if isinstance(params, str):
+        if params not in PARAM_SELECTORS:
+            raise ValueError(f"params must be one of {tuple(PARAM_SELECTORS)} or a callable "
+                             f"model -> params, got {params!r}")
+        return PARAM_SELECTORS[params]
+    if not callable(params):
+        raise TypeError(f"params must be a str or a callable model -> params, got {params!r}")
+    return params
 
 
 def check_extrapolator_options(options: Mapping[str, Any]) -> None:
     """Reject unknown, reserved or invalid ``Extrapolator`` options at construction, not when
-    training starts. Snapshot settings are checked when the real extrapolator is built (a
-    low-rank reference names the model's own parameters)."""
-    accepted = set(inspect.signature(Extrapolator.__init__).parameters) - {"self", *RESERVED_OPTIONS}
+    training starts."""
     reserved = sorted(set(options) & set(RESERVED_OPTIONS))
     if reserved:
         raise TypeError(
             f"{reserved} are set by ExtrapolationCallback itself "
             "(the params come from params=, the optimizer from the trainer)"
         )
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise TypeError(f"unknown Extrapolator options {unknown}; accepted: {sorted(accepted)}")
-    probe = {k: v for k, v in options.items() if k not in ("snapshot", "rank", "reference")}
-    dummy = torch.zeros(1)
-    Extrapolator([dummy], lambda: 0.0, optimizer=torch.optim.SGD([dummy], lr=0.0), **probe)
+    ExtrapolationOptions.from_kwargs(options)
+
+
+def build_extrapolator(params: ParamsSpec, eval_fn: Callable[[], float], optimizer: Any,
+                       options: Mapping[str, Any]) -> Extrapolator:
+    """The callback's ``Extrapolator`` for one training run. A ``SnapshotStore`` given as
+    ``snapshot=`` is copied, so that each run starts from an empty anchor."""
+    options = dict(options)
+    store = options.get("snapshot")
+    if isinstance(store, SnapshotStore):
+        if len(store) > 0:
+            raise ValueError(
+                "the SnapshotStore passed as snapshot= already holds an anchor from an "
+                "earlier run; pass snapshot='full' or 'lowrank' to get a fresh store per run"
+            )
+        options["snapshot"] = copy.deepcopy(store)
+    return Extrapolator(params, eval_fn, optimizer=optimizer, **options)
 
 
 def jump_scalars(record: JumpRecord, history: list[JumpRecord] | None = None) -> dict[str, float]:

@@ -23,7 +23,6 @@ being resumed). ``trainer.add_callback(cb)`` or ``Trainer(callbacks=[cb])`` is e
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -36,10 +35,14 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, JumpRecord, resharding
 from lookahead_opd.extrapolator import ParamsSpec
-from lookahead_opd.selection import trainable, transformer_blocks
-from lookahead_opd.snapshot import SnapshotStore
 
-from .callback_support import LOG_PREFIX, check_extrapolator_options, summary_scalars
+from .callback_support import (
+    LOG_PREFIX,
+    build_extrapolator,
+    check_extrapolator_options,
+    param_selector,
+    summary_scalars,
+)
 from .callback_support import jump_scalars as jump_logs
 
 __all__ = [
@@ -58,10 +61,6 @@ STATE_NAME = "extrapolation_state.pt"
 per rank when the parameters are sharded DTensors)."""
 
 
-_PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
-    "trainable": trainable,
-    "transformer_blocks": transformer_blocks,
-}
 # Set by the callback itself, or meaningless for it.
 _CONTROL_FLAGS = (
     "should_training_stop",
@@ -214,15 +213,6 @@ class ExtrapolationCallback(TrainerCallback):
             raise TypeError(f"metric must be a non-empty str, got {metric!r}")
         if not isinstance(metric_key_prefix, str) or not metric_key_prefix:
             raise TypeError(f"metric_key_prefix must be a non-empty str, got {metric_key_prefix!r}")
-        if isinstance(params, str):
-            if params not in _PARAM_SELECTORS:
-                raise ValueError(
-                    f"params must be one of {tuple(_PARAM_SELECTORS)} or a callable "
-                    f"model -> params, got {params!r}"
-                )
-            params = _PARAM_SELECTORS[params]
-        elif not callable(params):
-            raise TypeError(f"params must be a str or a callable model -> params, got {params!r}")
         options = dict(extrapolator_options)
         if gate_dataset is not None and "mode" not in options:
             base = _metric_candidates(metric, metric_key_prefix)[-1]
@@ -232,7 +222,7 @@ class ExtrapolationCallback(TrainerCallback):
         self.gate_dataset = gate_dataset
         self.metric = metric
         self.metric_key_prefix = metric_key_prefix
-        self.select_params = params
+        self.select_params = param_selector(params)
         self.options = options
         self.extrapolator: Extrapolator | None = None
         self.trainer: Trainer | None = None
@@ -303,15 +293,6 @@ class ExtrapolationCallback(TrainerCallback):
             self._resume(args, state, resume)
 
     def _build(self, model: nn.Module, optimizer: Any) -> Extrapolator:
-        options = dict(self.options)
-        store = options.get("snapshot")
-        if isinstance(store, SnapshotStore):
-            if len(store) > 0:
-                raise ValueError(
-                    "the SnapshotStore passed as snapshot= already holds an anchor from an "
-                    "earlier run; pass snapshot='full' or 'lowrank' to get a fresh store per run"
-                )
-            options["snapshot"] = copy.deepcopy(store)
         params = list(self.select_params(model))
         partitioned = [
             n for n, p in _named_list(params) if hasattr(p, "ds_id") or hasattr(p, "ds_tensor")
@@ -325,7 +306,7 @@ class ExtrapolationCallback(TrainerCallback):
         # Under FSDP2 a gate forward leaves the root module unsharded, blind to the candidates
         # written into the shards; resharding() drops that copy (a no-op without FSDP2).
         score = resharding(model, self._score)
-        return Extrapolator(params, score, optimizer=optimizer, **options)
+        return build_extrapolator(params, score, optimizer, self.options)
 
     def _state_paths(self, folder: str) -> list[str]:
         assert self.extrapolator is not None

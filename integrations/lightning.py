@@ -20,7 +20,6 @@ Under DDP every rank scores its own slice of the gate and the scores are average
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,25 +34,19 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, JumpRecord
 from lookahead_opd.extrapolator import ParamsSpec
-from lookahead_opd.selection import trainable, transformer_blocks
-from lookahead_opd.snapshot import SnapshotStore
 
 from .callback_support import (
     LOG_PREFIX,
+    build_extrapolator,
     check_extrapolator_options,
     jump_scalars,
+    param_selector,
     summary_scalars,
 )
 
 __all__ = ["LOG_PREFIX", "ExtrapolationCallback", "jump_scalars"]
 
 logger = logging.getLogger(__name__)
-
-
-_PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
-    "trainable": trainable,
-    "transformer_blocks": transformer_blocks,
-}
 
 
 def _single_optimizer(trainer: Trainer) -> torch.optim.Optimizer | None:
@@ -97,18 +90,9 @@ class ExtrapolationCallback(Callback):
                 f"eval_fn must be a no-argument callable returning the gate score, got "
                 f"{type(eval_fn).__name__}"
             )
-        if isinstance(params, str):
-            if params not in _PARAM_SELECTORS:
-                raise ValueError(
-                    f"params must be one of {tuple(_PARAM_SELECTORS)} or a callable "
-                    f"module -> params, got {params!r}"
-                )
-            params = _PARAM_SELECTORS[params]
-        elif not callable(params):
-            raise TypeError(f"params must be a str or a callable module -> params, got {params!r}")
         check_extrapolator_options(extrapolator_options)
         self.eval_fn = eval_fn
-        self.select_params = params
+        self.select_params = param_selector(params)
         self.options = dict(extrapolator_options)
         self.extrapolator: Extrapolator | None = None
         self._loaded: dict[str, Any] | None = None
@@ -123,22 +107,9 @@ class ExtrapolationCallback(Callback):
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Build the extrapolator over the (restored) weights; load a checkpoint's state."""
-        options = dict(self.options)
-        store = options.get("snapshot")
-        if isinstance(store, SnapshotStore):
-            if len(store) > 0:
-                raise ValueError(
-                    "the SnapshotStore passed as snapshot= already holds an anchor from an "
-                    "earlier run; pass snapshot='full' or 'lowrank' to get a fresh store per run"
-                )
-            options["snapshot"] = copy.deepcopy(store)
         self._module = pl_module
-        self.extrapolator = Extrapolator(
-            self.select_params(pl_module),
-            self.eval_fn,
-            optimizer=_single_optimizer(trainer),
-            **options,
-        )
+        self.extrapolator = build_extrapolator(
+            self.select_params(pl_module), self.eval_fn, _single_optimizer(trainer), self.options)
         self._seen_step = trainer.global_step
         if self._loaded:
             self.extrapolator.load_state_dict(self._loaded)

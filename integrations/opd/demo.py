@@ -20,43 +20,40 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lookahead_opd.options import check_choice, option
+
+from .config import OPDConfig, parse_dataclass, with_defaults
+from .zoo import TEACHER_REGIMES
 
 __all__ = ["DemoConfig", "run_demo", "main", "format_table"]
 
 
-@dataclass
-class DemoConfig:
-    """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass)."""
+# The demo's defaults where they differ from a training run's. From
+# benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher in 600
+# steps; at 256 both plain OPD and EffOPD did, in 330-360 steps. The loss is the full-vocabulary
+# reverse_kl: the sampled-token reverse_kl_pg barely learns this task from a near one-hot teacher.
+_DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=450, batch_size=256,
+                              learning_rate=1e-3, warmup_steps=4, loss="reverse_kl")
 
-    output_dir: str = field(default="runs/demo", metadata={"help": "results.json and the plot go here"})
-    cache_dir: str | None = field(default=None, metadata={
-        "help": "model cache (default $LOOKAHEAD_OPD_CACHE or ~/.cache/lookahead-opd)"})
-    task: str = field(default="arithmetic", metadata={"help": "task spec of the built models"})
-    size: str = field(default="tiny", metadata={"help": "model size in the zoo"})
-    teacher_regime: str = field(default="same-base", metadata={"help": "same-base | independent"})
-    seed: int = field(default=0, metadata={"help": "seed of the model build and both OPD runs"})
-    # From benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher
-    # in 600 steps; at 256 both plain OPD and EffOPD did, in 330-360 steps.
-    max_steps: int = field(default=450, metadata={"help": "OPD steps per run"})
-    batch_size: int = field(default=256, metadata={"help": "prompts per step"})
-    learning_rate: float = field(default=1e-3, metadata={"help": "peak learning rate"})
-    warmup_steps: int = field(default=4, metadata={"help": "linear warmup steps"})
-    optimizer: str = field(default="adamw", metadata={"help": "adamw | adam | sgd"})
-    loss: str = field(default="reverse_kl", metadata={
-        "help": "reverse_kl (full vocabulary; the sampled-token reverse_kl_pg barely learns this task "
-                "from a near one-hot teacher, see benchmarks/results/speedup.md) | reverse_kl_pg | jsd"})
-    gate: str = field(default="accuracy", metadata={"help": "accuracy | neg_kl"})
-    gate_size: int = field(default=50, metadata={"help": "problems in the gate set"})
-    coefficients: str = field(default="geometric", metadata={"help": "geometric | linear | numbers"})
-    eval_every: int = field(default=10, metadata={"help": "measure accuracy every N steps"})
-    eval_size: int = field(default=200, metadata={"help": "held-out problems for the measurement"})
-    target_fraction: float = field(default=0.9, metadata={"help": "target = this × teacher accuracy"})
-    threads: int | None = field(default=None, metadata={"help": "torch threads (default: torch's)"})
-    quick: bool = field(default=False, metadata={"help": "a smaller configuration, for CI"})
-    progress: bool = field(default=True, metadata={"help": "progress bars"})
+
+@dataclass
+class DemoConfig(_DemoDefaults):
+    """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass): every
+    ``OPDConfig`` option of both runs, plus how the models are built and the target. The demo
+    sets ``student``, ``teacher`` (the built pair), ``extrapolate`` (one run each) and each
+    run's ``output_dir`` (under this one) itself."""
+
+    cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
+                                   "~/.cache/lookahead-opd)")
+    size: str = option("tiny", "model size in the zoo")
+    teacher_regime: str = option(TEACHER_REGIMES[0], f"teacher: {' | '.join(TEACHER_REGIMES)}")
+    target_fraction: float = option(0.9, "target = this × teacher accuracy")
+    threads: int | None = option(None, "torch threads (default: torch's)")
+    quick: bool = option(False, "a smaller configuration, for CI")
 
     def apply_quick(self) -> DemoConfig:
         """The CI configuration: fewer steps, smaller sets, same code path."""
@@ -69,18 +66,13 @@ class DemoConfig:
 
 def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
     from .compare import run_variant
-    from .config import OPDConfig
     from .tasks import load_task
 
     name = "effopd" if extrapolate else "opd"
-    config = OPDConfig(
-        student=models["student_path"], teacher=models["teacher_path"], task=cfg.task,
-        output_dir=str(Path(cfg.output_dir) / name), batch_size=cfg.batch_size,
-        loss=cfg.loss, optimizer=cfg.optimizer, learning_rate=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps, extrapolate=extrapolate,
-        gate=cfg.gate, gate_size=cfg.gate_size, coefficients=cfg.coefficients,
-        eval_every=cfg.eval_every, eval_size=cfg.eval_size, seed=cfg.seed, progress=cfg.progress,
-    )
+    config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
+                          "student": models["student_path"], "teacher": models["teacher_path"],
+                          "output_dir": str(Path(cfg.output_dir) / name),
+                          "extrapolate": extrapolate})
     return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
                        models["tokenizer"], engine_batch_size=256)
 
@@ -92,8 +84,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .zoo import build_pair
 
     cfg = cfg.apply_quick()
-    if cfg.teacher_regime not in ("same-base", "independent"):
-        raise ValueError(f"teacher_regime must be same-base or independent, got {cfg.teacher_regime!r}")
+    check_choice("teacher_regime", cfg.teacher_regime, TEACHER_REGIMES)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
@@ -201,10 +192,7 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from transformers import HfArgumentParser
-
-    (cfg,) = HfArgumentParser(DemoConfig, prog="lookahead-opd demo").parse_args_into_dataclasses(
-        args=list(argv or []))
+    cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
     results = run_demo(cfg)
     print(format_table(results))
     print(f"\nwrote {Path(cfg.output_dir) / 'results.json'} and accuracy_vs_step.png")

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from lookahead_opd import ExtrapolatingOptimizer, Summary
-from lookahead_opd.selection import transformer_blocks
 
 from .checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from .config import OPDConfig
@@ -162,13 +161,9 @@ class OPDTrainer:
         # gate="none": a score that rises at every call, so every candidate is kept (the fixed,
         # ungated jump of ExPO / AlphaRL-style baselines); it costs no evaluation.
         gate = self._timed_gate if c.gate != "none" else itertools.count().__next__
-        return ExtrapolatingOptimizer(
-            base, gate, mode="max", coefficients=c.coefficient_values(),
-            max_candidates=c.max_candidates, snapshot=c.snapshot, rank=c.rank,
-            direction=c.direction, direction_rank=c.direction_rank,
-            min_improvement=c.min_improvement,
-            schedule=c.schedule_value(),
-            params=transformer_blocks(self.student) if c.extrapolate_params == "blocks" else None)
+        return ExtrapolatingOptimizer(base, gate, mode="max",
+                                      params=c.extrapolation_params(self.student),
+                                      **c.extrapolation_options())
 
     def _timed_gate(self) -> float:
         start = time.perf_counter()

@@ -23,8 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lookahead_opd.options import check_choice
+
 from .tasks import Problem, Task, load_task
 from .tokenizer import char_tokenizer
+
+# How the teacher is made: the base trained further (the paper's setting), or trained apart.
+TEACHER_REGIMES = ("same-base", "independent")
 
 __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "make_model", "pretrain", "greedy_accuracy",
            "build_pair", "BASE_RANGE", "TEACHER_MIN"]
@@ -143,8 +148,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
                size: str = "tiny", teacher_regime: str = "same-base", seed: int = 0,
                progress: bool = True, *, max_steps: int = 6000) -> ZooPair:
     """Build (or load from the cache) the student base and its teacher; see the module doc."""
-    if teacher_regime not in ("same-base", "independent"):
-        raise ValueError(f"teacher_regime must be same-base or independent, got {teacher_regime!r}")
+    check_choice("teacher_regime", teacher_regime, TEACHER_REGIMES)
     if size not in ZOO_SIZES:
         raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
     task = load_task(task_spec)

@@ -14,57 +14,52 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
+
+from lookahead_opd.options import check_choice, option
 
 __all__ = ["DiagnoseConfig", "parse_config", "run", "main"]
-
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _opt(default: Any, help: str, **kw: Any) -> Any:
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class DiagnoseConfig:
     """Options of ``lookahead-opd diagnose`` (see ``diagnose()`` for what each one does)."""
 
-    student: str = _opt("", "student: a Hugging Face causal LM id or local directory")
-    teacher: list[str] = _opt([], "teacher(s): model id/directory or self:solution|answer|example; "
+    student: str = option("", "student: a Hugging Face causal LM id or local directory")
+    teacher: list[str] = option([], "teacher(s): model id/directory or self:solution|answer|example; "
                                   "repeat the flag or give several")
-    task: str = _opt("arithmetic",
+    task: str = option("arithmetic",
                      "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
-    questions: int = _opt(32, "questions to roll the student out on")
-    budget: int = _opt(20_000, "total continuation rollouts (never exceeded)")
-    output_dir: str = _opt("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
-    split: str = _opt("test", "task split the questions come from")
-    samples_per_question: int = _opt(2, "student rollouts per question")
-    top_k: int = _opt(4, "candidates per node: the student's top-K plus the sampled token")
-    continuations: int = _opt(8, "student continuations per candidate (estimates P_succ)")
-    loss: str = _opt("reverse_kl", "distillation loss whose gradient is scored: reverse_kl | "
+    questions: int = option(32, "questions to roll the student out on")
+    budget: int = option(20_000, "total continuation rollouts (never exceeded)")
+    output_dir: str = option("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
+    split: str = option("test", "task split the questions come from")
+    samples_per_question: int = option(2, "student rollouts per question")
+    top_k: int = option(4, "candidates per node: the student's top-K plus the sampled token")
+    continuations: int = option(8, "student continuations per candidate (estimates P_succ)")
+    loss: str = option("reverse_kl", "distillation loss whose gradient is scored: reverse_kl | "
                                    "forward_kl | jsd")
-    jsd_beta: float = _opt(0.5, "jsd: 0 = forward KL, 1 = reverse KL (TRL convention)")
-    temperature: float = _opt(1.0, "the student's sampling temperature (rollouts and p)")
-    max_new_tokens: int | None = _opt(None, "completion length limit (default: the task's)")
-    spacing: str = _opt("exponential", "node depths: exponential (1, 2, 4, …) | all")
-    context_separator: str = _opt(" ", "text between a self-teacher's context and the prompt")
-    rank_by: str = _opt("alignment", "alignment | advantage | reverse_kl | js | topk_overlap | "
+    jsd_beta: float = option(0.5, "jsd: 0 = forward KL, 1 = reverse KL (TRL convention)")
+    temperature: float = option(1.0, "the student's sampling temperature (rollouts and p)")
+    max_new_tokens: int | None = option(None, "completion length limit (default: the task's)")
+    spacing: str = option("exponential", "node depths: exponential (1, 2, 4, …) | all")
+    context_separator: str = option(" ", "text between a self-teacher's context and the prompt")
+    rank_by: str = option("alignment", "alignment | advantage | reverse_kl | js | topk_overlap | "
                                      "teacher_mass_topk")
-    resamples: int = _opt(1000, "bootstrap resamples for the confidence intervals")
-    seed: int = _opt(0, "seed of the questions, rollouts and bootstrap")
-    dtype: str = _opt("float32", f"model dtype: {' | '.join(_DTYPES)}")
-    device: str = _opt("cpu", "torch device of the student and teachers")
-    batch_size: int = _opt(256, "rows per generate call of the engine")
-    plots: bool = _opt(True, "write the plots and report.html")
-    progress: bool = _opt(True, "show progress bars")
+    resamples: int = option(1000, "bootstrap resamples for the confidence intervals")
+    seed: int = option(0, "seed of the questions, rollouts and bootstrap")
+    dtype: str = option("float32", f"model dtype: {' | '.join(DTYPES)}")
+    device: str = option("cpu", "torch device of the student and teachers")
+    batch_size: int = option(256, "rows per generate call of the engine")
+    plots: bool = option(True, "write the plots and report.html")
+    progress: bool = option(True, "show progress bars")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
-        from lookahead_opd.integrations.opd.config import _check_model_ref, _choice
+        from lookahead_opd.integrations.opd.config import _check_model_ref
         from lookahead_opd.integrations.opd.tasks import load_task
 
         from .diagnose import check_options
@@ -74,7 +69,7 @@ class DiagnoseConfig:
                       samples_per_question=self.samples_per_question, top_k=self.top_k,
                       continuations=self.continuations, loss=self.loss, jsd_beta=self.jsd_beta,
                       temperature=self.temperature, spacing=self.spacing, rank_by=self.rank_by)
-        _choice("dtype", self.dtype, _DTYPES)
+        check_choice("dtype", self.dtype, DTYPES)
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.batch_size < 1:
@@ -116,12 +111,8 @@ def _merge_repeated(args: list[str], flag: str) -> list[str]:
 
 def parse_config(argv: Sequence[str] | None = None) -> DiagnoseConfig:
     """Build a ``DiagnoseConfig`` from command-line flags."""
-    from transformers import HfArgumentParser
-
     args = _merge_repeated(list(argv or []), "--teacher")
-    parser = HfArgumentParser(DiagnoseConfig, prog="lookahead-opd diagnose")
-    (config,) = parser.parse_args_into_dataclasses(args=args)
-    return config
+    return parse_dataclass(DiagnoseConfig, args, prog="lookahead-opd diagnose")
 
 
 def run(config: DiagnoseConfig):

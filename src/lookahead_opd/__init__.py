@@ -7,6 +7,7 @@ holds the Hugging Face, vLLM and on-policy-distillation code and imports those l
 from .distributed import resharding
 from .extrapolator import Extrapolator, JumpRecord, Summary
 from .optimizer import ExtrapolatingOptimizer
+from .options import ExtrapolationOptions
 from .schedule import Every, PowersOfTwo, Schedule, Steps
 from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ExtrapolatingOptimizer",
     "Extrapolator",
+    "ExtrapolationOptions",
     "JumpRecord",
     "Summary",
     "Schedule",

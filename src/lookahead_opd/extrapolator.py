@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .schedule import CoefficientSpec, ScheduleSpec, make_schedule, resolve_coefficients
+from .options import ExtrapolationOptions
 from .sketch import SecantSketch
-from .snapshot import FullSnapshot, LowRankSnapshot, ReferenceSpec, SnapshotStore
+from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
 
 __all__ = ["Extrapolator", "JumpRecord", "ParamsSpec", "Summary"]
 
@@ -39,9 +39,6 @@ logger = logging.getLogger(__name__)
 
 ParamsSpec = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]]]
 
-_MODES = ("max", "min")
-_DIRECTIONS = ("secant", "averaged")
-_ON_JUMP = ("keep", "reset")
 _STATE_VERSION = 1
 
 
@@ -154,22 +151,11 @@ class Extrapolator:
         params: tensors or ``(name, tensor)`` pairs to extrapolate (names matter only for a
             low-rank ``reference`` state dict and for geometry logs).
         eval_fn: no arguments, returns a number; higher is better unless ``mode="min"``.
-        mode: ``"max"`` or ``"min"``.
-        min_improvement: a candidate must beat the best score by more than this.
-        schedule, every: when to search (see ``schedule.make_schedule``).
-        coefficients, max_candidates: which ``c`` to try (see ``schedule.resolve_coefficients``).
-        snapshot: ``"full"``, ``"lowrank"`` (needs ``rank``) or a ``SnapshotStore``.
-        rank, reference: the low-rank store's rank and reference weights.
-        offload: ``"cpu"`` keeps the anchor, the restore buffer and the running average on
-            the CPU instead of the parameters' device.
-        direction: ``"secant"`` (the paper) or ``"averaged"`` (window averages).
-        direction_rank: project each 2-D parameter's ``Δ`` onto its top-``r`` singular subspace
-            (truncated SVD, once per search) before extrapolating; 1-D tensors keep the full
-            ``Δ``. ``None`` (default): the raw direction.
-        on_jump: ``"keep"`` the optimizer state after an accepted jump, or ``"reset"`` it for
-            the jumped params (needs ``optimizer``).
-        reduce: ``"mean"`` or ``"rank0"``, how scores combine across ``torch.distributed`` ranks.
-        log_geometry: record ``lookahead_opd.geometry.summarize`` of each direction.
+        optimizer: the optimizer stepping ``params``; needed by ``on_jump="reset"``.
+        **options: the fields of ``ExtrapolationOptions`` (validated there): ``mode``,
+            ``min_improvement``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
+            ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
+            ``direction_rank``, ``on_jump``, ``reduce``/``process_group``, ``log_geometry``.
     """
 
     def __init__(
@@ -177,59 +163,29 @@ class Extrapolator:
         params: ParamsSpec,
         eval_fn: Callable[[], float],
         *,
-        mode: str = "max",
-        min_improvement: float = 0.0,
-        schedule: ScheduleSpec = "powers_of_two",
-        every: int | None = None,
-        coefficients: CoefficientSpec = "geometric",
-        max_candidates: int | None = None,
-        snapshot: str | SnapshotStore = "full",
-        rank: int | None = None,
-        reference: ReferenceSpec = None,
-        offload: str | None = None,
-        direction: str = "secant",
-        direction_rank: int | None = None,
-        on_jump: str = "keep",
         optimizer: torch.optim.Optimizer | None = None,
-        reduce: str = "mean",
-        process_group: object | None = None,
-        log_geometry: bool = False,
+        **options: Any,
     ) -> None:
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
-        _check_choice("mode", mode, _MODES)
-        _check_choice("direction", direction, _DIRECTIONS)
-        _check_choice("on_jump", on_jump, _ON_JUMP)
-        _check_choice("reduce", reduce, distributed.REDUCTIONS)
-        if offload not in (None, "cpu"):
-            raise ValueError(f"offload must be None or 'cpu', got {offload!r}")
-        if isinstance(min_improvement, bool) or not isinstance(min_improvement, numbers.Real):
-            raise TypeError(f"min_improvement must be a number, got {min_improvement!r}")
-        if not math.isfinite(min_improvement) or min_improvement < 0:
-            raise ValueError(f"min_improvement must be finite and >= 0, got {min_improvement!r}")
-        if direction_rank is not None and (
-            isinstance(direction_rank, bool) or not isinstance(direction_rank, int) or direction_rank < 1
-        ):
-            raise ValueError(f"direction_rank must be None or an int >= 1, got {direction_rank!r}")
-        if on_jump == "reset" and optimizer is None:
+        o = self.options = ExtrapolationOptions.from_kwargs(options)
+        if o.on_jump == "reset" and optimizer is None:
             raise ValueError("on_jump='reset' needs the optimizer whose state to reset")
         self.eval_fn = eval_fn
-        self.mode = mode
-        self.min_improvement = float(min_improvement)
-        self.schedule = make_schedule(schedule, every)
-        self.coefficients = resolve_coefficients(
-            coefficients, max_candidates, allow_zero=direction == "averaged"
-        )
-        self.direction = direction
-        self.direction_rank = direction_rank
+        self.mode = o.mode
+        self.min_improvement = float(o.min_improvement)
+        self.schedule = o.make_schedule()
+        self.coefficients = o.coefficient_values()
+        self.direction = o.direction
+        self.direction_rank = o.direction_rank
         self._projected: list[Tensor | None] | None = None  # direction_rank: Δ_r of this search
-        self.on_jump = on_jump
+        self.on_jump = o.on_jump
         self.optimizer = optimizer
-        self.reduce = reduce
-        self.process_group = process_group
-        self.log_geometry = bool(log_geometry)
-        self._buffer_device = None if offload is None else torch.device(offload)
-        self.store = _make_store(snapshot, rank, reference, self._buffer_device, direction)
+        self.reduce = o.reduce
+        self.process_group = o.process_group
+        self.log_geometry = bool(o.log_geometry)
+        self._buffer_device = None if o.offload is None else torch.device(o.offload)
+        self.store = _make_store(o, self._buffer_device)
 
         self.step_count = 0
         self.history: list[JumpRecord] = []
@@ -526,29 +482,11 @@ class _LazyDirections(Mapping):
         return len(self._index)
 
 
-def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-
-
-def _make_store(
-    snapshot: str | SnapshotStore,
-    rank: int | None,
-    reference: ReferenceSpec,
-    device: torch.device | None,
-    direction: str,
-) -> SnapshotStore:
-    if isinstance(snapshot, SnapshotStore):
-        if rank is not None or reference is not None:
-            raise ValueError("rank= and reference= configure a snapshot by name; set them on the store")
-        return snapshot
-    if snapshot == "full":
-        if rank is not None or reference is not None:
-            raise ValueError("rank= and reference= apply to snapshot='lowrank' only")
-        # The averaged direction's anchor is an fp32 average: keep it in fp32.
-        return FullSnapshot(device=device, dtype=torch.float32 if direction == "averaged" else None)
-    if snapshot == "lowrank":
-        if rank is None:
-            raise ValueError("snapshot='lowrank' needs rank=r (a positive int)")
-        return LowRankSnapshot(rank, reference)
-    raise ValueError(f"snapshot must be 'full', 'lowrank' or a SnapshotStore, got {snapshot!r}")
+def _make_store(o: ExtrapolationOptions, device: torch.device | None) -> SnapshotStore:
+    """The anchor store the (validated) options name."""
+    if isinstance(o.snapshot, SnapshotStore):
+        return o.snapshot
+    if o.snapshot == "lowrank":
+        return LowRankSnapshot(o.rank, o.reference)
+    # The averaged direction's anchor is an fp32 average: keep it in fp32.
+    return FullSnapshot(device=device, dtype=torch.float32 if o.direction == "averaged" else None)

@@ -21,7 +21,11 @@ __all__ = [
     "resolve_coefficients",
     "ScheduleSpec",
     "CoefficientSpec",
+    "COEFFICIENT_SCHEMES",
 ]
+
+# The named coefficient schemes, the default first.
+COEFFICIENT_SCHEMES = ("geometric", "linear")
 
 
 class Schedule:
@@ -91,10 +95,16 @@ def make_schedule(schedule: ScheduleSpec = "powers_of_two", every: int | None = 
     if isinstance(schedule, str):
         if schedule == "powers_of_two":
             return PowersOfTwo()
-        raise ValueError(
-            f"unknown schedule {schedule!r}; use 'powers_of_two', every=N, "
-            "a Schedule, or an iterable of step numbers"
-        )
+        try:  # "1,2,8": the command-line form of a list of steps
+            steps = [int(x) for x in schedule.split(",") if x.strip()]
+        except ValueError:
+            steps = []
+        if not steps:
+            raise ValueError(
+                f"unknown schedule {schedule!r}; use 'powers_of_two', every=N, comma-separated "
+                "steps, a Schedule, or an iterable of step numbers"
+            )
+        return Steps(steps)
     if isinstance(schedule, Iterable):
         return Steps(schedule)
     raise TypeError(f"schedule must be a str, a Schedule or an iterable of ints, got {schedule!r}")
@@ -118,17 +128,20 @@ def resolve_coefficients(
         isinstance(max_candidates, bool) or not isinstance(max_candidates, int) or max_candidates < 1
     ):
         raise ValueError(f"max_candidates must be a positive int, got {max_candidates!r}")
+    if isinstance(coefficients, str) and coefficients not in COEFFICIENT_SCHEMES:
+        try:  # "0.5,1,2": the command-line form of a list of numbers
+            coefficients = [float(c) for c in coefficients.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"coefficients must be one of {COEFFICIENT_SCHEMES} or increasing positive "
+                f"numbers (a sequence or comma-separated), got {coefficients!r}"
+            ) from None
     if isinstance(coefficients, str):
         n = 5 if max_candidates is None else max_candidates
         if coefficients == "geometric":
             values = [float(2**k) for k in range(n)]
-        elif coefficients == "linear":
+        else:  # linear
             values = [float(2 * k) for k in range(1, n + 1)]
-        else:
-            raise ValueError(
-                f"unknown coefficients {coefficients!r}; use 'geometric', 'linear' "
-                "or an increasing sequence of positive numbers"
-            )
         if allow_zero:
             values = [0.0] + values[: n - 1] if n > 1 else [0.0]
         return tuple(values)
@@ -136,7 +149,8 @@ def resolve_coefficients(
         values = [float(c) for c in coefficients]
     except (TypeError, ValueError):
         raise TypeError(
-            f"coefficients must be 'geometric', 'linear' or a sequence of numbers, got {coefficients!r}"
+            f"coefficients must be one of {COEFFICIENT_SCHEMES} or a sequence of numbers, "
+            f"got {coefficients!r}"
         ) from None
     if not values:
         raise ValueError("coefficients must not be empty")
