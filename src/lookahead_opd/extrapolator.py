@@ -306,8 +306,9 @@ class Extrapolator:
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
         backup = [t.to(self._buffer_device or t.device, copy=True) for t in self._local()]
+        # Hashed on the parameters' device even when the buffers are offloaded (GPU >> CPU).
         sketch = self.secant.measure(
-            ((i, self._direction(i, backup), distributed.shard_layout(p))
+            ((i, self._direction(i, backup).to(p.device), distributed.shard_layout(p))
              for i, p in enumerate(self._params)),
             self.process_group,
         )

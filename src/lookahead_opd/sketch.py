@@ -121,8 +121,9 @@ class SecantSketch:
         out: Tensor | None = None
         chunk = 0
         for index, delta, layout in directions:
-            if out is None:
-                out = torch.zeros(self.size + 1, dtype=torch.float64, device=delta.device)
+            if out is None:  # float64 sums; MPS has no float64, so its sketch lives on the CPU
+                device = torch.device("cpu") if delta.device.type == "mps" else delta.device
+                out = torch.zeros(self.size + 1, dtype=torch.float64, device=device)
             key = _key(index, self.seed)
             flat = delta.reshape(-1)
             weight = 1.0 if layout is None else 1.0 / layout.replicas
