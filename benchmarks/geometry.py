@@ -20,8 +20,8 @@ A callback copies the weights at evenly spaced checkpoints. Then, with ``ΔW_t =
 4. the early checkpoints (10%, 20%, 30% of training) rescaled per parameter tensor to the final
    update's norm (β = 1), their greedy accuracy and reverse KL, and a β sweep at 10% (Fig. 4c).
 
-    python benchmarks/geometry.py            # the committed results (2–4 min on 2 shared cores)
-    python benchmarks/geometry.py --quick    # pipeline check in seconds (fresh tiny models)
+    python -m benchmarks.geometry            # the committed results (2–4 min on 2 shared cores)
+    python -m benchmarks.geometry --quick    # pipeline check in seconds (fresh tiny models)
 
 Writes ``geometry.json``, ``geometry.md`` and ``geometry_*.png`` under ``--out``
 (``geometry_quick.*`` with ``--quick``).
@@ -32,9 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import os
-import re
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,15 +39,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import machine_info, markdown_table, write_results  # noqa: E402
-from lookahead_opd import geometry as geo  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, write_results
+from lookahead_opd import geometry as geo
+from lookahead_opd.selection import ATTENTION_KEYWORDS, is_block_param
 
 STEM = "geometry"
 METHODS = {"opd": dict(loss="reverse_kl", num_samples=1),
            "rl": dict(loss="drgrpo", num_samples=4)}
-_BLOCK = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.[^.]+\.weight$")
 
 
 # --------------------------------------------------------------------------- setup
@@ -159,12 +154,15 @@ class Checkpoints:
             self.weights[metrics["step"]] = self.copy()
 
 
-def block_kind(name: str) -> tuple[int, str] | None:
-    """(layer, "attn" | "mlp") for a transformer-block weight matrix, else None."""
-    m = _BLOCK.search(name)
-    if m is None:
+def block_kind(name: str, tensor: torch.Tensor) -> tuple[int, str] | None:
+    """(layer, "attn" | "mlp") for a weight matrix of a transformer block (the parameters
+    ``transformer_blocks`` selects, matrices only: no norms, no biases), else None."""
+    if tensor.dim() != 2 or not is_block_param(name):
         return None
-    return int(m.group(1)), "attn" if m.group(2) == "self_attn" else "mlp"
+    layer = next((int(part) for part in name.split(".") if part.isdigit()), None)
+    if layer is None:
+        return None
+    return layer, "attn" if is_block_param(name, ATTENTION_KEYWORDS) else "mlp"
 
 
 def total_norm(tensors: dict[str, torch.Tensor]) -> float:
@@ -190,7 +188,7 @@ def spectral_table(delta: dict[str, torch.Tensor]) -> dict[str, dict[str, float]
     out = {}
     for group in ("all", "attn", "mlp"):
         sub = {n: d for n, d in delta.items()
-               if (k := block_kind(n)) is not None and group in ("all", k[1])}
+               if (k := block_kind(n, d)) is not None and group in ("all", k[1])}
         row = geo.summarize(sub)
         row["top10pct_ratio"] = (sum(geo.top_energy_ratio(d, 0.1) for d in sub.values())
                                  / max(len(sub), 1))
@@ -206,7 +204,7 @@ def alignment(delta_t: dict[str, torch.Tensor], delta_final: dict[str, torch.Ten
     block matrices: all, attention, MLP), and the cosine of the flattened updates."""
     per: dict[str, list[float]] = {"all": [], "attn": [], "mlp": []}
     for n, d in delta_t.items():
-        kind = block_kind(n)
+        kind = block_kind(n, d)
         if kind is None:
             continue
         s = geo.subspace_alignment(d, delta_final[n], k=k, side="left")
@@ -215,7 +213,8 @@ def alignment(delta_t: dict[str, torch.Tensor], delta_final: dict[str, torch.Ten
     out = {g: sum(v) / len(v) for g, v in per.items() if v}
     a = torch.cat([d.flatten() for d in delta_t.values()])
     b = torch.cat([delta_final[n].flatten() for n in delta_t])
-    out["cos_flat"] = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    # fp64: the fp32 cosine of a vector with itself can read 1 + 2e-6
+    out["cos_flat"] = float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
     return out
 
 
@@ -229,8 +228,10 @@ def random_reference(shapes: dict[str, tuple[int, ...]], k: int, seed: int) -> d
 
 def norms_by_layer(delta: dict[str, torch.Tensor]) -> dict[str, Any]:
     """‖ΔW‖F per (layer, attention | MLP) over the block matrices, and per other tensor group."""
+    kinds = {n: block_kind(n, d) for n, d in delta.items()}
+
     def group(name: str) -> str:
-        kind = block_kind(name)
+        kind = kinds[name]
         if kind is not None:
             return f"layer{kind[0]}.{kind[1]}"
         if "embed" in name:
@@ -334,7 +335,7 @@ def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any
         "curve": curve, "spectral": spectral_table(final), "alignment": align,
         "norms": norms_by_layer(final), "rescale": rescale, "beta_sweep": sweep,
         "relative_update": total_norm(final) / total_norm(w0),
-        "block_shapes": {n: list(d.shape) for n, d in final.items() if block_kind(n)},
+        "block_shapes": {n: list(d.shape) for n, d in final.items() if block_kind(n, d)},
     }
 
 

@@ -3,16 +3,16 @@
 1. Wrapper overhead on a step that does not search: bare AdamW vs ``ExtrapolatingOptimizer``
    around the same AdamW (schedule that never fires), in interleaved A/B pairs on the same
    model and batch. Reported as the median of the per-pair ratios, with p10-p90.
-2. Cost of one candidate (``_apply(c)`` + restore ``_apply(None)``) and of a whole search
+2. Cost of one candidate (``Extrapolator.apply(c)`` + ``restore``) and of a whole search
    with a free eval_fn that rejects the first candidate, as a fraction of one optimizer step
    (forward + backward + AdamW step), for snapshot="full" and snapshot="lowrank".
 3. Anchor-store memory, full vs low-rank at several ranks, on the model and on a synthetic set
    of 4096x4096 matrices; compression time per capture; and the low-rank anchor's relative
    error after a few real training steps (next to the best possible rank-r error).
 
-    python benchmarks/overhead.py            # full run (~3-6 min on 2 CPU cores)
-    python benchmarks/overhead.py --quick    # smoke run, small model, < 1 min
-    python benchmarks/overhead.py --device cuda   # writes overhead_cuda.{json,md}
+    python -m benchmarks.overhead                 # full run (~3-6 min on 2 CPU cores)
+    python -m benchmarks.overhead --quick         # smoke run, small model, < 1 min
+    python -m benchmarks.overhead --device cuda   # writes overhead_cuda.{json,md}
 
 Results go to benchmarks/results/overhead<suffix>.{json,md}; the table is also printed.
 """
@@ -28,32 +28,18 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import (
+    TinyGPT,
+    machine_info,
+    markdown_table,
+    markov_batches,
+    mib,
+    stats,
+    sync,
+    timed,
+    write_results,
+)
 from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, FullSnapshot, LowRankSnapshot
-
-try:  # python -m benchmarks.overhead
-    from benchmarks.common import (
-        TinyGPT,
-        machine_info,
-        markdown_table,
-        markov_batches,
-        mib,
-        stats,
-        sync,
-        timed,
-        write_results,
-    )
-except ImportError:  # python benchmarks/overhead.py
-    from common import (  # type: ignore[no-redef]
-        TinyGPT,
-        machine_info,
-        markdown_table,
-        markov_batches,
-        mib,
-        stats,
-        sync,
-        timed,
-        write_results,
-    )
 
 NEVER = [10**9]  # a schedule that does not fire during the benchmark
 
@@ -250,8 +236,8 @@ def bench_candidate(model, base, batches, device, args) -> dict[str, Any]:
             else:
                 ex = wrappers[name].extrapolator
                 apply_fn, restore_fn = (
-                    partial(ex._apply, 1.0, backup),
-                    partial(ex._apply, None, backup),
+                    partial(ex.apply, 1.0, backup),
+                    partial(ex.restore, backup),
                 )
             t_apply = timed(apply_fn, device)[0]
             t_restore = timed(restore_fn, device)[0]
@@ -299,14 +285,6 @@ def bench_candidate(model, base, batches, device, args) -> dict[str, Any]:
 # --------------------------------------------------------------------------- 3. snapshot memory
 
 
-def _compressed(shape: torch.Size, rank: int) -> bool:
-    """Mirrors LowRankSnapshot's rule: ≥2 dims and (m + n)·r < m·n, else stored dense."""
-    if len(shape) < 2:
-        return False
-    m, n = shape[0], shape.numel() // shape[0]
-    return (m + n) * rank < m * n
-
-
 @torch.no_grad()
 def anchor_error(store, params, reference) -> float:
     """‖anchor − W‖ / ‖W − reference‖ over all tensors together."""
@@ -336,14 +314,15 @@ def best_rank_error(params, reference, ranks) -> dict[int, float]:
     dense tensors exact), for comparison with the store's one-power-iteration compressor."""
     den = 0.0
     tail = dict.fromkeys(ranks, 0.0)
+    stores = {r: LowRankSnapshot(r) for r in ranks}  # only asked which tensors they compress
     for p, ref in zip(params, reference, strict=True):
         d = p.detach().float() - ref
         den += float(d.double().square().sum())
-        if not any(_compressed(p.shape, r) for r in ranks):
+        if not any(stores[r].compresses(p.shape) for r in ranks):
             continue
         sq = torch.linalg.svdvals(d.reshape(d.shape[0], -1)).double().square()
         for r in ranks:
-            if _compressed(p.shape, r):
+            if stores[r].compresses(p.shape):
                 tail[r] += float(sq[r:].sum())
     return {r: math.sqrt(tail[r] / den) if den > 0 else 0.0 for r in ranks}
 

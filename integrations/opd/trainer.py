@@ -36,21 +36,14 @@ from lookahead_opd import ExtrapolatingOptimizer, Summary
 from .checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
 from .config import OPDConfig
 from .engines import Engine, Rollout
-from .losses import (
-    LOSS_INPUTS,
-    align_vocab,
-    check_vocab_compatible,
-    get_loss,
-    group_advantages,
-    reverse_kl_loss,
-    shift_for_next_token,
-    token_logprobs,
-)
+from .losses import compute_loss, group_advantages, reverse_kl_loss
 from .metrics import MetricsLog
 from .ranks import Ranks
+from .scoring import greedy_accuracy, score_tokens
 from .tasks import Problem, Task
+from .vocab import check_vocab_compatible
 
-__all__ = ["OPDTrainer", "TrainResult", "sequence_logits", "greedy_accuracy"]
+__all__ = ["OPDTrainer", "TrainResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,24 +57,6 @@ class TrainResult:
     evals: list[tuple[int, float]] = field(default_factory=list)
     jumps: list[dict[str, Any]] = field(default_factory=list)
     summary: Summary | None = None
-
-
-def sequence_logits(model: nn.Module, rollout: Rollout | None = None, *,
-                    sequences: torch.Tensor | None = None,
-                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Logits over left-padded sequences with the positions ``generate`` used (from the mask)."""
-    if rollout is not None:
-        sequences, attention_mask = rollout.sequences, rollout.attention_mask
-    assert sequences is not None and attention_mask is not None
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
-
-
-def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:
-    """Exact-match accuracy of greedy completions generated through ``engine``."""
-    rollout = engine.generate([p.prompt for p in problems], max_new_tokens=max_new_tokens,
-                              temperature=0.0)
-    return sum(task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)) / len(problems)
 
 
 class OPDTrainer:
@@ -111,7 +86,6 @@ class OPDTrainer:
         self.callbacks = list(callbacks or [])
         self.vocab_size = check_vocab_compatible(student, teacher, tokenizer=self.tokenizer)
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
-        self.loss_fn = get_loss(config.loss)
         self.output_dir = Path(config.output_dir)
 
         # Data: fail on empty or too-small splits before any compute.
@@ -201,17 +175,11 @@ class OPDTrainer:
         self.student.eval()
         try:
             with torch.no_grad():
-                ls = sequence_logits(self.student, sequences=g["sequences"],
-                                     attention_mask=g["attention_mask"])
-                lt = sequence_logits(self.teacher, sequences=g["sequences"],
-                                     attention_mask=g["attention_mask"])
+                scores = score_tokens(self.student, self.teacher, g["sequences"],
+                                      g["attention_mask"], g["completion_mask"], self.vocab_size)
         finally:
             self.student.train(was_training)
-        ls, _, mask = shift_for_next_token(ls, g["sequences"], g["completion_mask"])
-        lt = lt[:, :-1]
-        out = reverse_kl_loss(align_vocab(ls, self.vocab_size), align_vocab(lt, self.vocab_size),
-                              mask)
-        return out.metrics["reverse_kl"]
+        return reverse_kl_loss(*scores.logits(), scores.mask).metrics["reverse_kl"]
 
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
@@ -343,29 +311,11 @@ class OPDTrainer:
 
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
-        seq, attn = rollout.sequences[rows], rollout.attention_mask[rows]
-        cmask = rollout.completion_mask[rows]
-        student_logits = sequence_logits(self.student, sequences=seq, attention_mask=attn)
-        with torch.no_grad():
-            teacher_logits = sequence_logits(self.teacher, sequences=seq, attention_mask=attn)
-        ls, ids, mask = shift_for_next_token(student_logits, seq, cmask)
-        ls = align_vocab(ls, self.vocab_size)
-        lt = align_vocab(teacher_logits[:, :-1], self.vocab_size)
-        if LOSS_INPUTS[self.config.loss] == "rewards":
-            lp_student = token_logprobs(ls, ids)
-            out = self.loss_fn(lp_student, advantages, mask, num_tokens=num_tokens)
-            with torch.no_grad():  # the teacher is only measured here, as the other losses do
-                lp_teacher = token_logprobs(lt, ids)
-                n = mask.sum().clamp(min=1)
-                out.metrics["reverse_kl"] = float(((lp_student - lp_teacher) * mask).sum() / n)
-            return out
-        if LOSS_INPUTS[self.config.loss] == "logprobs":
-            # On-policy: the student scored here is the sampler, so the importance ratio is 1.
-            return self.loss_fn(token_logprobs(ls, ids), token_logprobs(lt, ids), mask,
-                                discount=self.config.discount, num_tokens=num_tokens)
-        if self.config.loss == "jsd":
-            return self.loss_fn(ls, lt, mask, beta=self.config.jsd_beta, num_tokens=num_tokens)
-        return self.loss_fn(ls, lt, mask, num_tokens=num_tokens)
+        # On-policy: the student scored here is the sampler, so importance ratios are 1.
+        scores = score_tokens(self.student, self.teacher, rollout.sequences[rows],
+                              rollout.attention_mask[rows], rollout.completion_mask[rows],
+                              self.vocab_size, advantages=advantages)
+        return compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:

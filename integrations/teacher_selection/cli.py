@@ -18,8 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
+from lookahead_opd.integrations.opd.tasks import SPLITS
 
-from lookahead_opd.options import check_choice, option
+from lookahead_opd.options import check_fields, option
+
+from .nodes import SPACINGS
+from .report import METRICS
+from .scores import DISTILL_LOSSES
+from .teachers import SELF_CONTEXTS
 
 __all__ = ["DiagnoseConfig", "parse_config", "run", "main"]
 
@@ -29,29 +35,28 @@ class DiagnoseConfig:
     """Options of ``lookahead-opd diagnose`` (see ``diagnose()`` for what each one does)."""
 
     student: str = option("", "student: a Hugging Face causal LM id or local directory")
-    teacher: list[str] = option([], "teacher(s): model id/directory or self:solution|answer|example; "
-                                  "repeat the flag or give several")
+    teacher: list[str] = option([], "teacher(s): model id/directory or "
+                                f"self:{'|'.join(SELF_CONTEXTS)}; repeat the flag or give several")
     task: str = option("arithmetic",
                      "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
     questions: int = option(32, "questions to roll the student out on")
     budget: int = option(20_000, "total continuation rollouts (never exceeded)")
     output_dir: str = option("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
-    split: str = option("test", "task split the questions come from")
+    split: str = option("test", "task split the questions come from", choices=SPLITS)
     samples_per_question: int = option(2, "student rollouts per question")
     top_k: int = option(4, "candidates per node: the student's top-K plus the sampled token")
     continuations: int = option(8, "student continuations per candidate (estimates P_succ)")
-    loss: str = option("reverse_kl", "distillation loss whose gradient is scored: reverse_kl | "
-                                   "forward_kl | jsd")
+    loss: str = option("reverse_kl", "distillation loss whose gradient is scored",
+                       choices=DISTILL_LOSSES)
     jsd_beta: float = option(0.5, "jsd: 0 = forward KL, 1 = reverse KL (TRL convention)")
     temperature: float = option(1.0, "the student's sampling temperature (rollouts and p)")
     max_new_tokens: int | None = option(None, "completion length limit (default: the task's)")
-    spacing: str = option("exponential", "node depths: exponential (1, 2, 4, …) | all")
+    spacing: str = option("exponential", "node depths (exponential: 1, 2, 4, …)", choices=SPACINGS)
     context_separator: str = option(" ", "text between a self-teacher's context and the prompt")
-    rank_by: str = option("alignment", "alignment | advantage | reverse_kl | js | topk_overlap | "
-                                     "teacher_mass_topk")
+    rank_by: str = option("alignment", "the metric teachers are ranked by", choices=METRICS)
     resamples: int = option(1000, "bootstrap resamples for the confidence intervals")
     seed: int = option(0, "seed of the questions, rollouts and bootstrap")
-    dtype: str = option("float32", f"model dtype: {' | '.join(DTYPES)}")
+    dtype: str = option("float32", "model dtype", choices=DTYPES)
     device: str = option("cpu", "torch device of the student and teachers")
     batch_size: int = option(256, "rows per generate call of the engine")
     plots: bool = option(True, "write the plots and report.html")
@@ -69,21 +74,19 @@ class DiagnoseConfig:
                       samples_per_question=self.samples_per_question, top_k=self.top_k,
                       continuations=self.continuations, loss=self.loss, jsd_beta=self.jsd_beta,
                       temperature=self.temperature, spacing=self.spacing, rank_by=self.rank_by)
-        check_choice("dtype", self.dtype, DTYPES)
+        check_fields(self)
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.teacher:
-            raise ValueError(
-                "give at least one --teacher (a model or self:solution|answer|example)")
+            raise ValueError(f"give at least one --teacher (a model or "
+                             f"self:{'|'.join(SELF_CONTEXTS)})")
         if len(set(self.teacher)) != len(self.teacher):
             raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
         specs = [parse_teacher_spec(t) for t in self.teacher]
         task = load_task(self.task)
-        pool = task.all_problems(self.split) if self.split in ("train", "gate", "test") else None
-        if pool is None:
-            raise ValueError(f"split must be train, gate or test; got {self.split!r}")
+        pool = task.all_problems(self.split)
         if not pool:
             raise ValueError(
                 f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
@@ -121,8 +124,8 @@ def run(config: DiagnoseConfig):
     config.validate()
     import torch
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.losses import check_vocab_compatible
     from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .diagnose import diagnose

@@ -16,19 +16,22 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
-from lookahead_opd.integrations.opd.engines import Engine, HFEngine, tokenize_prompts
-from lookahead_opd.integrations.opd.losses import align_vocab, check_vocab_compatible
+from lookahead_opd.integrations.opd.engines import Engine, HFEngine, Rollout, tokenize_prompts
+from lookahead_opd.integrations.opd.scoring import sequence_logits
 from lookahead_opd.integrations.opd.tasks import Problem, Task
-from lookahead_opd.integrations.opd.trainer import sequence_logits
+from lookahead_opd.integrations.opd.vocab import align_vocab, check_vocab_compatible
 from torch import nn
+
+from lookahead_opd.options import check_choice
 
 from . import scores
 from .nodes import SPACINGS, Node, candidate_set, node_cost, node_depths, plan_nodes
 from .report import METRICS, DiagnosticReport
-from .rollouts import completion_ids, estimate_success, prefix_text
+from .rollouts import SuccessEstimates, completion_ids, estimate_success, prefix_text
 from .teachers import ContextTeacher, parse_teacher_spec
 
 __all__ = ["TeacherLike", "diagnose", "resolve_teachers", "check_options", "min_budget"]
@@ -55,17 +58,14 @@ def check_options(*, budget: int, questions: int, samples_per_question: int, top
             raise ValueError(f"{name} must be >= 1, got {value}")
     if top_k < 2:
         raise ValueError(f"top_k must be >= 2 (a node compares candidates), got {top_k}")
-    if loss not in scores.DISTILL_LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(scores.DISTILL_LOSSES)}; got {loss!r}")
+    check_choice("loss", loss, scores.DISTILL_LOSSES)
     if not 0.0 <= jsd_beta <= 1.0:
         raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
     if not temperature > 0:
         raise ValueError(
             f"temperature must be > 0 (the student's sampling policy), got {temperature}")
-    if spacing not in SPACINGS:
-        raise ValueError(f"spacing must be one of {', '.join(SPACINGS)}; got {spacing!r}")
-    if rank_by not in METRICS:
-        raise ValueError(f"rank_by must be one of {', '.join(METRICS)}; got {rank_by!r}")
+    check_choice("spacing", spacing, SPACINGS)
+    check_choice("rank_by", rank_by, METRICS)
     need = min_budget(top_k, continuations)
     if budget < need:
         raise ValueError(f"budget {budget} is too small for one node: a node needs up to "
@@ -225,97 +225,38 @@ def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[
     models, vocab, given = resolve_teachers(teachers, student, tokenizer, task, problems,
                                      context_separator=context_separator, dtype=teacher_dtype)
     engine = engine if engine is not None else HFEngine(student, tokenizer, batch_size=256)
-    max_new = max_new_tokens or task.max_new_tokens
+    run = _Run(task, problems, tokenizer, vocab, budget=budget,
+               samples_per_question=samples_per_question, top_k=top_k,
+               continuations=continuations, loss=loss, jsd_beta=jsd_beta, temperature=temperature,
+               max_new_tokens=max_new_tokens or task.max_new_tokens, spacing=spacing, seed=seed,
+               progress=progress)
     seconds: dict[str, float] = {"setup": time.perf_counter() - t_start}
 
-    # 1. student rollouts
     t0 = time.perf_counter()
-    roll = engine.generate([p.prompt for p in problems], max_new_tokens=max_new,
-                           temperature=temperature, seed=seed, num_samples=samples_per_question)
-    comps = completion_ids(roll.sequences, roll.completion_mask, roll.prompt_length)
-    correct = [task.is_correct(text, problems[b // samples_per_question])
-               for b, text in enumerate(roll.texts)]
+    roll = _student_rollouts(run, engine)
     seconds["student_rollouts"] = time.perf_counter() - t0
-
-    # 2. candidate nodes from one student forward pass
     t0 = time.perf_counter()
-    P = roll.prompt_length
-    depths = {b: node_depths(len(c), spacing) for b, c in enumerate(comps)}
-    student_lp = _logprobs_at(student, roll.sequences, roll.attention_mask,
-                              {b: [P + d - 2 for d in ds] for b, ds in depths.items()}, vocab,
-                              temperature)
-    prompt_ids = tokenize_prompts(tokenizer, [p.prompt for p in problems])
-    eos = tokenizer.eos_token_id
-    levels: dict[int, list[Node]] = {}
-    skipped = 0
-    for b, ds in depths.items():
-        q = b // samples_per_question
-        for i, d in enumerate(ds):
-            lp = student_lp[b][i]
-            prefix, sampled = comps[b][:d - 1], comps[b][d - 1]
-            cands = candidate_set(lp, sampled, top_k)
-            free = [c == eos or d >= max_new for c in cands]
-            if not all(f or prefix_text(tokenizer, problems[q].prompt, prompt_ids[q],
-                                        [*prefix, c]) is not None
-                       for c, f in zip(cands, free, strict=True)):
-                skipped += 1
-                continue
-            levels.setdefault(d, []).append(Node(
-                row=b, question=q, sample=b % samples_per_question, depth=d, prefix=prefix,
-                sampled=sampled, candidates=cands, student_probs=lp[cands].exp().tolist(),
-                rollout_correct=bool(correct[b]), free=free))
-    candidates_total = sum(len(v) for v in levels.values())
-    nodes, planned = plan_nodes([levels[d] for d in sorted(levels)], budget, continuations, seed)
-    nodes.sort(key=lambda n: (n.row, n.depth))
-    if not nodes and candidates_total:
-        raise ValueError(f"budget {budget} does not fit a single node (the cheapest needs "
-                         f"{min(node_cost(n, continuations) for v in levels.values() for n in v)})")
+    nodes = _candidate_nodes(run, student, roll)
     seconds["nodes"] = time.perf_counter() - t0
-
-    # 3. targeted continuations, shared by every teacher
     t0 = time.perf_counter()
-    bar = _bar(planned, progress, "continuations")
-    est = estimate_success(engine, task, problems, nodes, continuations=continuations,
-                           max_new_tokens=max_new, temperature=temperature, seed=seed + 1,
-                           on_progress=bar.update)
-    bar.close()
-    assert est.rollouts == planned, (est.rollouts, planned)
+    est = _continuations(run, engine, nodes)
     seconds["continuations"] = time.perf_counter() - t0
-
-    # 4. teachers: one forward pass each over the rollouts, then the scores
     t0 = time.perf_counter()
-    node_positions: dict[int, list[int]] = {}
-    slots = []  # node i's row in its row's teacher log-probs
-    for n in nodes:
-        row = node_positions.setdefault(n.row, [])
-        slots.append(len(row))
-        row.append(P + n.depth - 2)
-    # The same forward as the teachers' (same rows, same batches): a teacher identical to the
-    # student then gives bit-identical q and an exactly zero distillation gradient.
-    student_at = _logprobs_at(student, roll.sequences, roll.attention_mask, node_positions, vocab,
-                              temperature)
-    records = [_node_record(n, student_at[n.row][slots[i]], est.p_succ[i], est.counts[i],
-                            problems, tokenizer) for i, n in enumerate(nodes)]
-    for name, model in _progress_items(models, progress):
-        teacher_at = _logprobs_at(model, roll.sequences, roll.attention_mask, node_positions, vocab)
-        for i, (n, rec) in enumerate(zip(nodes, records, strict=True)):
-            rec["teachers"][name] = _teacher_scores(
-                rec, student_at[n.row][slots[i]], teacher_at[n.row][slots[i]],
-                n.candidates, top_k, loss, jsd_beta)
+    records = _score_teachers(run, student, models, roll, nodes, est)
     seconds["teachers"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - t_start
 
     informative = sum(r["informative"] for r in records)
-    counts = {"questions": len(problems), "rollouts": len(comps),
-              "correct_rollouts": int(sum(correct)), "candidate_nodes": candidates_total,
+    counts = {"questions": len(problems), "rollouts": len(roll.completions),
+              "correct_rollouts": int(sum(roll.correct)), "candidate_nodes": nodes.candidates,
               "nodes": len(records), "informative": informative,
-              "uninformative": len(records) - informative, "skipped_tokenization": skipped}
-    solve = [sum(correct[q * samples_per_question:(q + 1) * samples_per_question])
-             / samples_per_question for q in range(len(problems))]
+              "uninformative": len(records) - informative, "skipped_tokenization": nodes.skipped}
+    k = samples_per_question
+    solve = [sum(roll.correct[q * k:(q + 1) * k]) / k for q in range(len(problems))]
     config = dict(budget=budget, questions=len(problems), split=split,
                   samples_per_question=samples_per_question, top_k=top_k,
                   continuations=continuations, loss=loss, jsd_beta=jsd_beta,
-                  temperature=temperature, max_new_tokens=max_new, spacing=spacing,
+                  temperature=temperature, max_new_tokens=run.max_new_tokens, spacing=spacing,
                   context_separator=context_separator, seed=seed, task=task.name,
                   teachers=given)
     return DiagnosticReport(
@@ -323,6 +264,131 @@ def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[
         budget=budget, config=config, seconds=seconds, rank_by=rank_by, resamples=resamples,
         seed=seed, questions=[{"index": q, "prompt": p.prompt, "answer": p.answer,
                                "solve_rate": solve[q]} for q, p in enumerate(problems)])
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every phase of one diagnosis reads: the questions and the (checked) options."""
+
+    task: Task
+    problems: list[Problem]
+    tokenizer: Any
+    vocab: int
+    budget: int
+    samples_per_question: int
+    top_k: int
+    continuations: int
+    loss: str
+    jsd_beta: float
+    temperature: float
+    max_new_tokens: int
+    spacing: str
+    seed: int
+    progress: bool
+
+
+@dataclass
+class _StudentRollouts:
+    rollout: Rollout
+    completions: list[list[int]]
+    correct: list[bool]
+
+
+@dataclass
+class _Nodes:
+    nodes: list[Node]
+    planned: int  # continuation rollouts the nodes need
+    candidates: int  # nodes found before the budget cut
+    skipped: int  # nodes dropped because a candidate does not re-tokenize
+
+
+def _student_rollouts(run: _Run, engine: Engine) -> _StudentRollouts:
+    """1. ``samples_per_question`` student rollouts per question, graded."""
+    roll = engine.generate([p.prompt for p in run.problems], max_new_tokens=run.max_new_tokens,
+                           temperature=run.temperature, seed=run.seed,
+                           num_samples=run.samples_per_question)
+    correct = [run.task.is_correct(text, run.problems[b // run.samples_per_question])
+               for b, text in enumerate(roll.texts)]
+    return _StudentRollouts(roll, completion_ids(roll.sequences, roll.completion_mask,
+                                                 roll.prompt_length), correct)
+
+
+def _candidate_nodes(run: _Run, student: nn.Module, roll: _StudentRollouts) -> _Nodes:
+    """2. Candidate nodes from one student forward pass: the top-K tokens plus the sampled one
+    at spaced depths, planned depth-major until the budget is spent."""
+    P, comps, tokenizer = roll.rollout.prompt_length, roll.completions, run.tokenizer
+    depths = {b: node_depths(len(c), run.spacing) for b, c in enumerate(comps)}
+    student_lp = _logprobs_at(student, roll.rollout.sequences, roll.rollout.attention_mask,
+                              {b: [P + d - 2 for d in ds] for b, ds in depths.items()}, run.vocab,
+                              run.temperature)
+    prompt_ids = tokenize_prompts(tokenizer, [p.prompt for p in run.problems])
+    eos = tokenizer.eos_token_id
+    levels: dict[int, list[Node]] = {}
+    skipped = 0
+    for b, ds in depths.items():
+        q = b // run.samples_per_question
+        for i, d in enumerate(ds):
+            lp = student_lp[b][i]
+            prefix, sampled = comps[b][:d - 1], comps[b][d - 1]
+            cands = candidate_set(lp, sampled, run.top_k)
+            free = [c == eos or d >= run.max_new_tokens for c in cands]
+            if not all(f or prefix_text(tokenizer, run.problems[q].prompt, prompt_ids[q],
+                                        [*prefix, c]) is not None
+                       for c, f in zip(cands, free, strict=True)):
+                skipped += 1
+                continue
+            levels.setdefault(d, []).append(Node(
+                row=b, question=q, sample=b % run.samples_per_question, depth=d, prefix=prefix,
+                sampled=sampled, candidates=cands, student_probs=lp[cands].exp().tolist(),
+                rollout_correct=bool(roll.correct[b]), free=free))
+    candidates_total = sum(len(v) for v in levels.values())
+    nodes, planned = plan_nodes([levels[d] for d in sorted(levels)], run.budget,
+                                run.continuations, run.seed)
+    nodes.sort(key=lambda n: (n.row, n.depth))
+    if not nodes and candidates_total:
+        cheapest = min(node_cost(n, run.continuations) for v in levels.values() for n in v)
+        raise ValueError(f"budget {run.budget} does not fit a single node (the cheapest needs "
+                         f"{cheapest})")
+    return _Nodes(nodes, planned, candidates_total, skipped)
+
+
+def _continuations(run: _Run, engine: Engine, nodes: _Nodes) -> SuccessEstimates:
+    """3. ``P_succ`` of every candidate from targeted student continuations; they do not
+    depend on the teacher, so every teacher shares them."""
+    bar = _bar(nodes.planned, run.progress, "continuations")
+    est = estimate_success(engine, run.task, run.problems, nodes.nodes,
+                           continuations=run.continuations, max_new_tokens=run.max_new_tokens,
+                           temperature=run.temperature, seed=run.seed + 1, on_progress=bar.update)
+    bar.close()
+    assert est.rollouts == nodes.planned, (est.rollouts, nodes.planned)
+    return est
+
+
+def _score_teachers(run: _Run, student: nn.Module, models: Mapping[str, nn.Module],
+                    roll: _StudentRollouts, nodes: _Nodes, est: SuccessEstimates
+                    ) -> list[dict[str, Any]]:
+    """4. One forward pass per teacher over the rollouts gives ``q`` at every node; each node's
+    record gets every teacher's scores."""
+    P = roll.rollout.prompt_length
+    seqs, attn = roll.rollout.sequences, roll.rollout.attention_mask
+    node_positions: dict[int, list[int]] = {}
+    slots = []  # node i's row in its row's teacher log-probs
+    for n in nodes.nodes:
+        row = node_positions.setdefault(n.row, [])
+        slots.append(len(row))
+        row.append(P + n.depth - 2)
+    # The same forward as the teachers' (same rows, same batches): a teacher identical to the
+    # student then gives bit-identical q and an exactly zero distillation gradient.
+    student_at = _logprobs_at(student, seqs, attn, node_positions, run.vocab, run.temperature)
+    records = [_node_record(n, student_at[n.row][slots[i]], est.p_succ[i], est.counts[i],
+                            run.problems, run.tokenizer) for i, n in enumerate(nodes.nodes)]
+    for name, model in _progress_items(models, run.progress):
+        teacher_at = _logprobs_at(model, seqs, attn, node_positions, run.vocab)
+        for i, (n, rec) in enumerate(zip(nodes.nodes, records, strict=True)):
+            rec["teachers"][name] = _teacher_scores(
+                rec, student_at[n.row][slots[i]], teacher_at[n.row][slots[i]],
+                n.candidates, run.top_k, run.loss, run.jsd_beta)
+    return records
 
 
 def _node_record(n: Node, student_lp: torch.Tensor, p_succ: list[float], counts: list[int],

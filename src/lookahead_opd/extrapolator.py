@@ -280,14 +280,24 @@ class Extrapolator:
         return self._base(i, backup, device) - self.store.anchor(i, device)
 
     @torch.no_grad()
-    def _apply(self, c: float | None, backup: Sequence[Tensor], measure: bool = False) -> float:
-        """Write ``base + c·Δ`` into every parameter (``c=None``: restore ``W_t`` exactly).
-        With ``measure``, also return the norm of the projected ``Δ`` (else 0)."""
+    def copy_weights(self) -> list[Tensor]:
+        """A copy of the current weights ``W_t`` (on the ``offload`` device when set): the
+        ``backup`` that ``apply`` extrapolates from and ``restore`` puts back."""
+        return [t.to(self._buffer_device or t.device, copy=True) for t in self._local()]
+
+    @torch.no_grad()
+    def restore(self, backup: Sequence[Tensor]) -> None:
+        """Put the weights of ``backup`` (from ``copy_weights``) back, bit-exactly."""
+        for p, b in zip(self._local(), backup, strict=True):
+            p.copy_(b)
+
+    @torch.no_grad()
+    def apply(self, c: float, backup: Sequence[Tensor], *, measure: bool = False) -> float:
+        """Write the candidate ``base + c·Δ`` into every parameter, as the search does (``base``
+        is ``backup``'s ``W_t``, or the window average for ``direction="averaged"``). With
+        ``measure``, also return ``‖Δ‖`` (else 0)."""
         sq = 0.0
         for i, p in enumerate(self._local()):
-            if c is None:
-                p.copy_(backup[i])
-                continue
             base = self._base(i, backup, p.device)
             projected = None if self._projected is None else self._projected[i]
             if projected is not None:
@@ -296,6 +306,8 @@ class Extrapolator:
                 p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
                 continue
             anchor = self.store.anchor(i, p.device)
+            if measure:
+                sq += float(torch.sub(base, anchor).square().sum())
             # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
             p.copy_(torch.lerp(anchor, base, 1.0 + c))
         return math.sqrt(sq)
@@ -305,7 +317,7 @@ class Extrapolator:
         """Run one gated search now (normally called by ``after_step``) and record it."""
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
-        backup = [t.to(self._buffer_device or t.device, copy=True) for t in self._local()]
+        backup = self.copy_weights()
         # Hashed on the parameters' device even when the buffers are offloaded (GPU >> CPU).
         sketch = self.secant.measure(
             ((i, self._direction(i, backup).to(p.device), distributed.shard_layout(p))
@@ -330,7 +342,7 @@ class Extrapolator:
                 self._projected = self._project(backup)
             measure = self._projected is not None  # the projection shrinks ‖Δ‖
             for c in coefficients:
-                norm = self._apply(c, backup, measure=measure)
+                norm = self.apply(c, backup, measure=measure)
                 if measure:
                     record.direction_norm, measure = norm, False
                 score = self._score()
@@ -341,10 +353,14 @@ class Extrapolator:
                     break
                 best, record.accepted = score, c
             if record.coefficients and record.coefficients[-1] != record.accepted:
-                self._apply(record.accepted, backup)  # undo the rejected candidate exactly
+                # Undo the rejected candidate exactly.
+                if record.accepted is None:
+                    self.restore(backup)
+                else:
+                    self.apply(record.accepted, backup)
         except BaseException:
             self._projected = None
-            self._apply(None, backup)
+            self.restore(backup)
             raise
         self._projected = None
         self._set_anchor(record.accepted is not None)

@@ -11,11 +11,13 @@ from collections.abc import Iterable
 
 from torch import Tensor, nn
 
-__all__ = ["BLOCK_KEYWORDS", "transformer_blocks", "trainable"]
+__all__ = ["ATTENTION_KEYWORDS", "MLP_KEYWORDS", "BLOCK_KEYWORDS", "is_block_param",
+           "transformer_blocks", "trainable"]
 
-# The substrings the paper's ``_should_modify_param`` matches (EffOPD fsdp_workers.py). Note
-# that ``post_attention_layernorm`` matches through "attention", as it does there.
-BLOCK_KEYWORDS: tuple[str, ...] = (
+# The substrings the paper's ``_should_modify_param`` matches (EffOPD fsdp_workers.py), the
+# attention ones and the MLP ones. Note that ``post_attention_layernorm`` matches through
+# "attention", as it does there.
+ATTENTION_KEYWORDS: tuple[str, ...] = (
     "attn",
     "self_attn",
     "attention",
@@ -23,12 +25,15 @@ BLOCK_KEYWORDS: tuple[str, ...] = (
     "k_proj",
     "v_proj",
     "o_proj",
-    "mlp",
-    "ffn",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
 )
+MLP_KEYWORDS: tuple[str, ...] = ("mlp", "ffn", "gate_proj", "up_proj", "down_proj")
+BLOCK_KEYWORDS: tuple[str, ...] = ATTENTION_KEYWORDS + MLP_KEYWORDS
+
+
+def is_block_param(name: str, keywords: Iterable[str] = BLOCK_KEYWORDS) -> bool:
+    """Whether the parameter called ``name`` belongs to an attention or MLP block, by name
+    (the rule ``transformer_blocks`` selects with)."""
+    return any(k in name for k in keywords)
 
 
 def transformer_blocks(
@@ -41,7 +46,7 @@ def transformer_blocks(
     chosen = [
         (name, p)
         for name, p in model.named_parameters()
-        if p.requires_grad and any(k in name for k in keys)
+        if p.requires_grad and is_block_param(name, keys)
     ]
     if not chosen:
         names = [n for n, _ in model.named_parameters()][:8]

@@ -180,7 +180,10 @@ class LowRankSnapshot(SnapshotStore):
         # Per entry: {"dense": fp32 tensor} or {"U": m×r, "V": n×r}.
         self._entries: list[dict[str, Tensor]] = []
 
-    def _compressible(self, shape: torch.Size) -> bool:
+    def compresses(self, shape: torch.Size | Sequence[int]) -> bool:
+        """Whether a tensor of ``shape`` is kept as rank-``rank`` factors (at least 2-D and
+        ``(m + n)·r < m·n`` for its ``m × n`` matrix view); otherwise it is stored dense."""
+        shape = torch.Size(shape)
         if len(shape) < 2:
             return False
         m, n = shape[0], shape.numel() // shape[0]
@@ -208,7 +211,7 @@ class LowRankSnapshot(SnapshotStore):
     def capture(self, index: int, tensor: Tensor) -> None:
         t = tensor.detach()
         shape = self._shapes[index]
-        if not self._compressible(shape):
+        if not self.compresses(shape):
             self._entries[index] = {"dense": t.to(dtype=torch.float32, copy=True)}
             return
         diff = t.float() - self._refs[index].to(t.device, torch.float32)

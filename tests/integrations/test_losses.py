@@ -14,8 +14,6 @@ from lookahead_opd.integrations.opd.losses import (
     LOSS_INPUTS,
     LOSSES,
     LossOutput,
-    align_vocab,
-    check_vocab_compatible,
     discounted_returns,
     generalized_jsd_loss,
     get_loss,
@@ -26,6 +24,7 @@ from lookahead_opd.integrations.opd.losses import (
     shift_for_next_token,
     token_logprobs,
 )
+from lookahead_opd.integrations.opd.vocab import align_vocab, check_vocab_compatible
 
 
 def logits_of(*rows: list[float]) -> torch.Tensor:

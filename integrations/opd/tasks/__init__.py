@@ -2,9 +2,10 @@
 or your own ``Task``."""
 
 from .arithmetic import ArithmeticTask
-from .base import SPLITS, Problem, Task, load_task, split_of
+from .base import SPLITS, Problem, Task, split_of
 from .gsm8k import GSM8KTask
 from .longadd import LongAdditionTask
+from .registry import TASKS, load_task
 
 __all__ = ["Problem", "Task", "ArithmeticTask", "GSM8KTask", "LongAdditionTask", "load_task",
-           "split_of", "SPLITS"]
+           "split_of", "SPLITS", "TASKS"]

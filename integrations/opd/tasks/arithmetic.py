@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from functools import cached_property
+from collections.abc import Iterator
 
-from .base import Problem, Task, split_of
+from .base import Problem, Task
 
 __all__ = ["ArithmeticTask"]
 
@@ -39,17 +39,11 @@ class ArithmeticTask(Task):
         longest = max(len(str(_OPS[o](a, b))) for o in ops for a in (self.low, hi) for b in (self.low, hi))
         self.max_new_tokens = max_new_tokens or longest + 2  # the answer, EOS, one spare
 
-    @cached_property
-    def _splits(self) -> dict[str, list[Problem]]:
-        out: dict[str, list[Problem]] = {"train": [], "gate": [], "test": []}
+    def generate(self) -> Iterator[tuple[str, Problem]]:
         for op in self.ops:
             for a, b in itertools.product(range(self.low, self.high + 1), repeat=2):
                 prompt = f"{a}{op}{b}="
-                out[split_of(prompt)].append(Problem(prompt, str(_OPS[op](a, b)), {"op": op}))
-        return out
-
-    def all_problems(self, split: str) -> list[Problem]:
-        return self._splits[split]
+                yield prompt, Problem(prompt, str(_OPS[op](a, b)), {"op": op})
 
     def extract_answer(self, completion: str) -> str | None:
         m = _LEADING_INT.match(completion)

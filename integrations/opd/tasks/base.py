@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import importlib
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
-__all__ = ["Problem", "Task", "SPLITS", "split_of", "load_task"]
+__all__ = ["Problem", "Task", "SPLITS", "split_of"]
 
 SPLITS = ("train", "gate", "test")
 
@@ -37,9 +38,22 @@ class Task(ABC):
     name: str = "task"
     max_new_tokens: int = 16
 
-    @abstractmethod
     def all_problems(self, split: str) -> list[Problem]:
-        """Every problem of ``split`` in a fixed order."""
+        """Every problem of ``split`` in a fixed order: those of ``generate()`` whose key
+        ``split_of`` puts in ``split`` (a task that holds its splits otherwise overrides this)."""
+        return self._splits[split]
+
+    def generate(self) -> Iterable[tuple[str, Problem]]:
+        """Every problem once, in a fixed order, with the text its split is hashed from
+        (usually the prompt)."""
+        raise NotImplementedError(f"{type(self).__name__} must define generate() or all_problems()")
+
+    @cached_property
+    def _splits(self) -> dict[str, list[Problem]]:
+        out: dict[str, list[Problem]] = {s: [] for s in SPLITS}
+        for key, problem in self.generate():
+            out[split_of(key)].append(problem)
+        return out
 
     def problems(self, split: str, n: int | None = None, seed: int = 0) -> list[Problem]:
         """``n`` problems of ``split`` (all when ``None``), a seeded fixed sample."""
@@ -69,59 +83,3 @@ class Task(ABC):
     def sft_text(self, problem: Problem) -> str:
         """The prompt followed by the gold completion (pretraining text; EOS added by the caller)."""
         return problem.prompt + problem.answer
-
-
-def load_task(spec: str) -> Task:
-    """``arithmetic[:ops=+-,digits=3]``, ``longadd[:digits=4]``, ``gsm8k:path=FILE`` or ``gsm8k:name=HUB_ID``, or
-    ``package.module:ClassName`` (a ``Task`` subclass, built without arguments)."""
-    from .arithmetic import ArithmeticTask
-    from .gsm8k import GSM8KTask
-    from .longadd import LongAdditionTask
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError("task spec must be a non-empty string")
-    name, _, options = spec.strip().partition(":")
-    builtin: dict[str, type[Task]] = {"arithmetic": ArithmeticTask, "longadd": LongAdditionTask,
-                                     "gsm8k": GSM8KTask}
-    if name in builtin:
-        return builtin[name](**_parse_options(builtin[name], options))
-    if options and "=" not in options and "." in name:
-        module_name, class_name = name, options
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"cannot load task {spec!r}: {err}") from None
-        if not (isinstance(cls, type) and issubclass(cls, Task)):
-            raise ValueError(f"{spec!r} is not a Task subclass")
-        return cls()
-    raise ValueError(f"unknown task {name!r}; expected arithmetic, longadd, gsm8k or module:Class")
-
-
-def _parse_options(cls: type[Task], options: str) -> dict[str, Any]:
-    """``key=value,key=value`` converted to the types of the constructor's defaults.
-    A value may hold commas only for ``ops`` (``ops=+-*``)."""
-    import inspect
-
-    params = {k: p for k, p in inspect.signature(cls).parameters.items() if k != "self"}
-    out: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"task option {item!r} must be key=value")
-        if key not in params:
-            raise ValueError(f"unknown option {key!r} for task {cls.name!r}; valid: {', '.join(params)}")
-        default = params[key].default
-        try:
-            if isinstance(default, bool):
-                if value.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(value)
-                out[key] = value.lower() in ("true", "1")
-            elif isinstance(default, int):
-                out[key] = int(value)
-            elif isinstance(default, float):
-                out[key] = float(value)
-            else:
-                out[key] = value
-        except ValueError:
-            raise ValueError(f"task option {key}={value!r}: expected {type(default).__name__}") from None
-    return out

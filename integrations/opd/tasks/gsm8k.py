@@ -6,9 +6,9 @@ Answers are checked with ``math-verify`` when it is installed, else by numeric c
 from __future__ import annotations
 
 import re
-from functools import cached_property
+from collections.abc import Iterator
 
-from .base import Problem, Task, split_of
+from .base import Problem, Task
 
 __all__ = ["GSM8KTask"]
 
@@ -31,8 +31,7 @@ class GSM8KTask(Task):
         self.path, self.hub_name, self.config, self.split = path, name, config, split
         self.max_new_tokens, self.template = max_new_tokens, template
 
-    @cached_property
-    def _splits(self) -> dict[str, list[Problem]]:
+    def generate(self) -> Iterator[tuple[str, Problem]]:
         import datasets
 
         if self.path:
@@ -48,16 +47,10 @@ class GSM8KTask(Task):
             raise ValueError(f"gsm8k data needs columns question, answer; missing {sorted(missing)}")
         if len(ds) == 0:
             raise ValueError(f"gsm8k data {self.path or self.hub_name} is empty")
-        out: dict[str, list[Problem]] = {"train": [], "gate": [], "test": []}
-        for row in ds:
+        for row in ds:  # the split follows the question, whatever the template
             gold = row["answer"].split("####")[-1].strip().replace(",", "")
-            out[split_of(row["question"])].append(
-                Problem(self.template.format(question=row["question"]), gold,
-                        {"solution": row["answer"]}))
-        return out
-
-    def all_problems(self, split: str) -> list[Problem]:
-        return self._splits[split]
+            yield row["question"], Problem(self.template.format(question=row["question"]), gold,
+                                           {"solution": row["answer"]})
 
     def extract_answer(self, completion: str) -> str | None:
         marked = re.search(r"####\s*(.+)", completion)

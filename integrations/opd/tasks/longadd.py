@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import random
 import re
-from functools import cached_property
+from collections.abc import Iterator
 
-from .base import Problem, Task, split_of
+from .base import Problem, Task
 
 __all__ = ["LongAdditionTask", "worked_addition"]
 
@@ -56,23 +56,16 @@ class LongAdditionTask(Task):
         top = 10**digits - 1
         self.max_new_tokens = max_new_tokens or len(worked_addition(top, top, digits)) + 2  # EOS, spare
 
-    @cached_property
-    def _splits(self) -> dict[str, list[Problem]]:
+    def generate(self) -> Iterator[tuple[str, Problem]]:
         rng, top = random.Random(f"longadd-{self.digits}"), 10**self.digits - 1
         seen: set[tuple[int, int]] = set()
-        out: dict[str, list[Problem]] = {"train": [], "gate": [], "test": []}
         while len(seen) < self.count:
             a, b = rng.randint(0, top), rng.randint(0, top)
             if (a, b) in seen:
                 continue
             seen.add((a, b))
             prompt = f"{a}+{b}="
-            out[split_of(prompt)].append(
-                Problem(prompt, str(a + b), {"solution": worked_addition(a, b, self.digits)}))
-        return out
-
-    def all_problems(self, split: str) -> list[Problem]:
-        return self._splits[split]
+            yield prompt, Problem(prompt, str(a + b), {"solution": worked_addition(a, b, self.digits)})
 
     def extract_answer(self, completion: str) -> str | None:
         m = _ANSWER.search(completion)

@@ -1,0 +1,101 @@
+"""The zoo's teacher regimes on tiny budgets: metadata, acceptance rule, cache keys, bad input.
+
+Accuracies are not asserted (a few steps train nothing); the builds run with ``strict=False`` so
+their failed checks are recorded rather than raised, and the record is what is tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lookahead_opd.integrations.opd import zoo
+from lookahead_opd.integrations.opd.tasks import load_task
+from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+
+def test_context_is_64_for_short_tasks_and_grows_for_long_ones_without_changing_weights():
+    for spec in ("arithmetic", "arithmetic:ops=+-*", "longadd:digits=4"):
+        assert zoo.context_length(load_task(spec)) == 64
+    assert zoo.context_length(load_task("longadd:digits=7,count=200")) == 128
+    tok = char_tokenizer()
+    short, long = zoo.make_model(tok, "tiny", 0), zoo.make_model(tok, "tiny", 0, context=128)
+    assert long.config.max_position_embeddings == 128
+    assert zoo.weight_distance(long, short) == 0.0
+    with pytest.raises(ValueError, match="context must be >= 1"):
+        zoo.make_model(tok, "tiny", 0, context=0)
+
+
+def test_cache_key_of_the_original_regimes_is_unchanged():
+    # The key of the default pair built before the rl/retention regimes existed: their cached
+    # builds must stay valid.
+    assert zoo._key(task="arithmetic", size="tiny", regime="same-base", seed=0,
+                    max_steps=6000) == "f7a3095e9cf4"
+
+
+def test_weight_distance():
+    tok = char_tokenizer()
+    a, b = zoo.make_model(tok, "tiny", 0), zoo.make_model(tok, "tiny", 0)
+    with torch.no_grad():
+        for p in a.parameters():
+            p.mul_(1.5)
+    assert zoo.weight_distance(a, b) == pytest.approx(0.5)
+    assert zoo.weight_distance(b, b) == 0.0
+    with pytest.raises(ValueError, match="models differ"):
+        zoo.weight_distance(a, zoo.make_model(char_tokenizer("0123"), "tiny", 0))
+
+
+def test_rl_acceptance_rule():
+    assert zoo.rl_rejections(0.40, 0.65, 0.01, 0.05) == []
+    assert zoo.rl_rejections(0.40, 0.60, 0.025, 0.05) == []  # both exactly at the bar
+    (gain,) = zoo.rl_rejections(0.40, 0.55, 0.01, 0.05)
+    assert "gain" in gain
+    (far,) = zoo.rl_rejections(0.40, 0.70, 0.03, 0.05)
+    assert "‖T−B‖/‖B‖" in far
+    assert len(zoo.rl_rejections(0.40, 0.41, 0.06, 0.05)) == 2
+
+
+def test_rl_regime_records_both_attempts_and_the_rule(tmp_path):
+    pair = zoo.build_pair(tmp_path, "arithmetic:digits=1", teacher_regime="rl", progress=False,
+                          max_steps=2, strict=False)
+    meta = pair.meta
+    assert pair.student_path.is_dir() and pair.teacher_path.is_dir()
+    # Two steps gain nothing: Dr. GRPO is rejected, RFT tried, and both rejections recorded.
+    assert [a["method"] for a in meta["attempts"]] == ["drgrpo", "rft"]
+    assert meta["teacher_method"] == "rft" and meta["failed_checks"]
+    for a in meta["attempts"]:
+        assert a["rejections"] == zoo.rl_rejections(meta["accuracies"]["student"], a["accuracy"],
+                                                    a["distance"], a["sft_reference"]["distance"])
+        assert {"accuracy", "distance", "steps"} <= set(a["sft_reference"])
+    assert meta["distance_ratio"] == pytest.approx(
+        meta["teacher_distance"] / meta["sft_reference"]["distance"])
+    assert meta["teacher_regime"] == "rl" and meta["rl_settings"] == zoo.RL_SETTINGS
+    assert meta["build_seconds"] > 0 and "drgrpo" in meta["seconds"]
+    assert pair.retention_tasks() == {}
+    # Cached: the same call loads the same build; strict and non-strict builds are apart.
+    assert zoo.build_pair(tmp_path, "arithmetic:digits=1", teacher_regime="rl", progress=False,
+                          max_steps=2, strict=False).meta == meta
+    with pytest.raises(RuntimeError, match="gain"):
+        zoo.build_pair(tmp_path, "arithmetic:digits=1", teacher_regime="rl", progress=False,
+                       max_steps=2)
+
+
+def test_retention_regime_measures_the_retained_tasks(tmp_path):
+    keep = "arithmetic:ops=+,digits=1"
+    pair = zoo.build_pair(tmp_path, "arithmetic:ops=-,digits=1", teacher_regime="retention",
+                          retain=[keep], progress=False, max_steps=2, strict=False)
+    assert pair.meta["retain"] == [keep] and set(pair.meta["retention"][keep]) == {"student", "teacher"}
+    assert pair.meta["teacher_method"] == "sft-mix" and pair.meta["teacher_distance"] > 0
+    assert any(keep in f for f in pair.meta["failed_checks"])  # two steps: not competent on +
+    (task,) = pair.retention_tasks().values()
+    assert task.ops == "+"
+
+
+def test_bad_regimes():
+    with pytest.raises(ValueError, match="teacher_regime must be one of"):
+        zoo.build_pair(teacher_regime="rlhf")
+    with pytest.raises(ValueError, match="retain="):
+        zoo.build_pair(teacher_regime="retention")
+    with pytest.raises(ValueError, match="retain="):
+        zoo.build_pair(teacher_regime="same-base", retain=["arithmetic"])
+    with pytest.raises(ValueError, match="max_steps"):
+        zoo.build_pair(max_steps=0)
