@@ -4,6 +4,11 @@ A checkpoint is written under a temporary name and renamed, then ``latest`` (a o
 naming the newest) is replaced atomically; a kill at any moment leaves the previous checkpoint
 loadable. The newest two are kept. The student's weights are ``save_pretrained`` safetensors
 (loadable by any Hugging Face tool); the trainer's state is one ``torch.save`` file beside them.
+
+A sharded student (``fsdp``) is written by every rank at once: the student and the optimizer
+through ``torch.distributed.checkpoint`` (each rank its shards, under ``dcp/``), plus one
+``rank<r>.pt`` per rank for what is that rank's own (EffOPD's anchor shards, its gate rollouts,
+its RNG). Rank 0 then renames the directory, so the same atomicity holds.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["write_checkpoint", "latest_checkpoint", "read_checkpoint"]
+__all__ = ["write_checkpoint", "latest_checkpoint", "read_checkpoint",
+           "write_sharded_checkpoint", "read_sharded_checkpoint"]
 
 LATEST = "latest"
 STATE = "trainer_state.pt"
 CONFIG = "opd_config.json"
+SHARDS = "dcp"
 
 
 def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer: Any,
@@ -37,6 +44,12 @@ def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer
         tokenizer.save_pretrained(tmp)
     torch.save(state, tmp / STATE)
     config.save(tmp / CONFIG)
+    _publish(output_dir, tmp, final)
+    return final
+
+
+def _publish(output_dir: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``, point ``latest`` at it, keep the newest two."""
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -48,7 +61,59 @@ def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer
     # Keep the newest two: the one just written and the one before it.
     for old in sorted(output_dir.glob("checkpoint-*"), key=_step_of)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def write_sharded_checkpoint(output_dir: Path, step: int, *, model: nn.Module,
+                             optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                             rank_state: dict[str, Any], ranks: Any, tokenizer: Any,
+                             config: Any) -> Path:
+    """``write_checkpoint`` for a sharded student; collective (every rank calls it). ``state``
+    is the same on every rank (rank 0 writes it), ``rank_state`` is each rank's own;
+    ``optimizer`` is the base ``torch.optim`` optimizer."""
+    from .sharding import save_state
+
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}"  # one name for all ranks
+    if ranks.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's leftovers
+        tmp.mkdir()
+    ranks.barrier()
+    save_state(tmp / SHARDS, model, optimizer)
+    _save_synced(rank_state, tmp / f"rank{ranks.rank}.pt")
+    ranks.barrier()
+    if ranks.is_main:
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        _save_synced({**state, "world": ranks.world}, tmp / STATE)
+        config.save(tmp / CONFIG)
+        _publish(output_dir, tmp, final)
+    ranks.barrier()
     return final
+
+
+def read_sharded_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            ranks: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load a sharded checkpoint's student and optimizer shards (collective); return the
+    shared state and this rank's own. The per-rank state (EffOPD's anchor shards) fits only
+    the world size it was written with."""
+    from .sharding import load_state
+
+    if not (path / SHARDS).is_dir():
+        raise FileNotFoundError(f"checkpoint {path} has no {SHARDS}/ (not written with fsdp)")
+    state = torch.load(path / STATE, weights_only=False)
+    if state["world"] != ranks.world:
+        raise ValueError(f"checkpoint {path} was written by {state['world']} ranks; resume it "
+                         f"with as many (this run has {ranks.world})")
+    load_state(path / SHARDS, model, optimizer)
+    return state, torch.load(path / f"rank{ranks.rank}.pt", weights_only=False)
+
+
+def _save_synced(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:

@@ -37,6 +37,8 @@ _GATES = ("accuracy", "neg_kl", "none")
 _PARAM_SETS = {"all": None, "blocks": transformer_blocks}
 DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
+_FSDP_TEACHER = ("replicate", "shard")
+_MIXED_PRECISION = ("none", "bfloat16", "float16")
 
 
 # The options of the gated search, from the core's ``ExtrapolationOptions``: every one of them
@@ -70,6 +72,9 @@ class OPDConfig(EffOPDOptions):
     temperature: float = option(1.0, "sampling temperature of the student's rollouts")
     top_p: float = option(1.0, "nucleus sampling of the student's rollouts")
     vllm_gpu_memory_utilization: float = option(0.3, "vLLM engine: fraction of GPU memory")
+    vllm_dtype: str | None = option(None, "vLLM engine: dtype of its copy of the student (None: "
+                                    "--dtype; bfloat16 halves it while training stays in --dtype)",
+                                    choices=(None, *DTYPES))
     # loss
     loss: str = option("reverse_kl_pg", "distillation loss (drgrpo: RL on the task's exact-match "
                        "reward, group-mean baseline; needs num_samples >= 2)", choices=tuple(LOSSES))
@@ -103,6 +108,15 @@ class OPDConfig(EffOPDOptions):
     report_to: str = option("none", f"{' | '.join(_REPORT_TO)} (comma-separated)")
     seed: int = option(0, "seed of the prompt order, rollouts and init")
     dtype: str = option("float32", "model dtype", choices=DTYPES)
+    # sharding (under torchrun)
+    fsdp: bool = option(False, "shard the student over the torchrun ranks with FSDP2 (each decoder "
+                        "block and the root): parameters, gradients, optimizer state and the EffOPD "
+                        "anchor are split over the ranks")
+    fsdp_teacher: str = option("replicate", "with --fsdp: a full teacher on every rank, or sharded "
+                               "(gathered block by block in each forward)", choices=_FSDP_TEACHER)
+    fsdp_mixed_precision: str = option("none", "with --fsdp: the dtype the gathered weights compute "
+                                       "in; gradients are reduced in float32, shards and optimizer "
+                                       "state keep --dtype", choices=_MIXED_PRECISION)
     device: str = option("cpu", "torch device for the student and teacher")
     progress: bool = option(True, "show progress bars")
 
@@ -110,6 +124,9 @@ class OPDConfig(EffOPDOptions):
         """Raise ``ValueError`` naming the first bad option; nothing is loaded."""
         check_fields(self)
         ExtrapolationOptions.from_kwargs(self.extrapolation_options())
+        if self.fsdp and self.ema_decay is not None:
+            raise ValueError("ema_decay is not supported with fsdp (the average would be a full "
+                             "replica of the student on every rank); drop --ema_decay")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if not 0 <= self.momentum < 1:

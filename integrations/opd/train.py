@@ -28,16 +28,27 @@ def build_trainer(config: OPDConfig):
     from .trainer import OPDTrainer
 
     _init_distributed(config)
+    if config.fsdp:
+        from .sharding import require_process_group
+
+        require_process_group()  # before any model loads
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)  # validated: float32 | bfloat16 | float16
     task = load_task(config.task)
     tokenizer = AutoTokenizer.from_pretrained(config.student)
     if tokenizer.pad_token is None:  # decoder-only LMs often have none; batching needs one
         tokenizer.pad_token = tokenizer.eos_token
-    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
-    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype).to(config.device)
+    # With --fsdp a model to be sharded stays on the CPU: OPDTrainer shards it onto the device
+    # one block at a time, so no GPU ever holds the full model.
+    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype)
+    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+    if not config.fsdp:
+        student = student.to(config.device)
+    if not (config.fsdp and config.fsdp_teacher == "shard"):
+        teacher = teacher.to(config.device)
     if config.engine == "vllm":
-        engine = make_engine("vllm", config.student, tokenizer, dtype=config.dtype, seed=config.seed,
+        engine = make_engine("vllm", config.student, tokenizer,
+                             dtype=config.vllm_dtype or config.dtype, seed=config.seed,
                              gpu_memory_utilization=config.vllm_gpu_memory_utilization)
     else:
         engine = make_engine("hf", student, tokenizer)
@@ -45,14 +56,16 @@ def build_trainer(config: OPDConfig):
 
 
 def _init_distributed(config: OPDConfig) -> None:
-    """Under ``torchrun`` (WORLD_SIZE > 1) join the process group: gloo on CPU, nccl on CUDA,
-    one device per local rank. ``OPDTrainer`` then splits the work over the ranks."""
+    """Under ``torchrun`` (WORLD_SIZE > 1, or any WORLD_SIZE with ``--fsdp``) join the process
+    group: gloo on CPU, nccl on CUDA, one device per local rank. ``OPDTrainer`` then splits the
+    work over the ranks."""
     import os
 
     import torch
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or (int(world) <= 1 and not config.fsdp) or dist.is_initialized():
         return
     if config.device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -110,7 +110,7 @@ def context_length(task: Task) -> int:
     """The zoo models' context for ``task``: 64 positions (every short task's), else the longest
     ``<bos> prompt completion`` rounded up to a multiple of 64. Rotary position embeddings have
     no learned table, so the context changes no weight, only what vLLM will accept."""
-    longest = 1 + max(len(p.prompt) for s in ("train", "gate", "test") for p in task.all_problems(s))
+    longest = 1 + max(len(p.prompt) for s in SPLITS for p in task.all_problems(s))
     need = longest + task.max_new_tokens
     return 64 * max(1, -(-need // 64))
 

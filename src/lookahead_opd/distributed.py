@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,6 +33,7 @@ __all__ = [
     "all_reduce_sum",
     "local_tensor",
     "shard_layout",
+    "square_sum",
     "resharding",
 ]
 
@@ -115,6 +116,34 @@ def local_tensor(param: Tensor) -> Tensor:
     if to_local is not None and type(param).__name__ == "DTensor":
         return to_local()
     return param
+
+
+def square_sum(params: Sequence[Tensor], local: Sequence[float]) -> float:
+    """``Σ local[i]`` where ``local[i]`` is a sum of squares over ``params[i]``'s local tensor,
+    made whole: the sums of a DTensor sharded over some mesh dimensions are added up over
+    those dimensions' ranks (collective: every rank calls it with the same parameters);
+    replicated tensors count once. Without DTensors, the plain sum."""
+    total = 0.0
+    sharded: dict[tuple[int, tuple[int, ...]], list] = {}
+    for p, v in zip(params, local, strict=True):
+        dims = tuple(d for d, pl in enumerate(getattr(p, "placements", ())) if pl.is_shard())
+        if type(p).__name__ != "DTensor" or not dims:
+            total += v
+            continue
+        entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
+        entry[1] += v
+    for (_, dims), (mesh, v) in sharded.items():  # in parameter order: the same on every rank
+        t = torch.tensor([v], dtype=torch.float64, device=_mesh_device(mesh))
+        for d in dims:
+            dist.all_reduce(t, group=mesh.get_group(d))
+        total += float(t.item())
+    return total
+
+
+def _mesh_device(mesh: object) -> torch.device:
+    if getattr(mesh, "device_type", "cpu") == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.cuda.current_device())  # type: ignore[attr-defined]
 
 
 def _fsdp_module_type() -> type | None:

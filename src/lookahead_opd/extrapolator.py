@@ -295,22 +295,22 @@ class Extrapolator:
     def apply(self, c: float, backup: Sequence[Tensor], *, measure: bool = False) -> float:
         """Write the candidate ``base + c·Δ`` into every parameter, as the search does (``base``
         is ``backup``'s ``W_t``, or the window average for ``direction="averaged"``). With
-        ``measure``, also return ``‖Δ‖`` (else 0)."""
-        sq = 0.0
+        ``measure``, also return ``‖Δ‖`` (else 0), of the whole tensors when sharded."""
+        sq = [0.0] * len(self._params)
         for i, p in enumerate(self._local()):
             base = self._base(i, backup, p.device)
             projected = None if self._projected is None else self._projected[i]
             if projected is not None:
                 if measure:
-                    sq += float(projected.square().sum())
+                    sq[i] = float(projected.square().sum())
                 p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
                 continue
             anchor = self.store.anchor(i, p.device)
             if measure:
-                sq += float(torch.sub(base, anchor).square().sum())
+                sq[i] = float(torch.sub(base, anchor).square().sum())
             # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
             p.copy_(torch.lerp(anchor, base, 1.0 + c))
-        return math.sqrt(sq)
+        return math.sqrt(distributed.square_sum(self._params, sq)) if measure else 0.0
 
     @torch.no_grad()
     def search(self) -> JumpRecord:
