@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lookahead_opd import ExtrapolatingOptimizer
+from lookahead_opd import ExtrapolatingOptimizer, Summary
 from lookahead_opd.distributed import resharding
 
 from .checkpoint import (
@@ -62,11 +62,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What ``train()`` returns: per-step metric dicts and the eval points (step, accuracy)."""
+    """What ``train()`` returns: per-step metric dicts, the eval points (step, accuracy), the
+    searches, and with ``extrapolate`` what they bought (``ExtrapolatingOptimizer.summary``)."""
 
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
     jumps: list[dict[str, Any]] = field(default_factory=list)
+    summary: Summary | None = None
 
 
 class OPDTrainer:
@@ -391,6 +393,10 @@ class OPDTrainer:
         finally:
             bar.close()
             self.metrics_log.flush()
+        if isinstance(self.optimizer, ExtrapolatingOptimizer):
+            result.summary = self.optimizer.summary()
+            if self.ranks.is_main:
+                logger.info("extrapolation: %s", result.summary)
         return result
 
     def _log(self, m: dict[str, Any], result: TrainResult) -> None:
