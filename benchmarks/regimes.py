@@ -61,13 +61,13 @@ TASKS = {"short": "arithmetic", "long": "longadd"}
 # level -> (task key, prompts per step)
 LEVELS = {"short-32": ("short", 32), "short-512": ("short", 512), "long-128": ("long", 128)}
 # teacher key -> zoo teacher_regime
-TEACHERS = {"sft": "same-base", "rl": "rl"}
+TEACHERS = {"sft": "same-base", "rl": "rl", "retention": "retention"}
 ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 SGD_LRS = (0.025, 0.05, 0.1)
 SGD_MOMENTUM = 0.9
-# The retention pair: a base competent on + and −, distilled on + only, − measured.
-RETENTION = {"pair_task": "arithmetic:ops=+-", "regime": "retention", "task": "arithmetic:ops=+",
-             "held_out": "arithmetic:ops=-"}
+# The retention pair (zoo regime ``retention``): a base competent on + and on the steep part of
+# −, a teacher SFT'd on the mix; − is distilled, + is measured.
+RETENTION = {"task": "arithmetic:ops=-", "held_out": "arithmetic:ops=+"}
 
 
 def _cells() -> dict[str, dict[str, Any]]:
@@ -78,8 +78,9 @@ def _cells() -> dict[str, dict[str, Any]]:
     def add(level: str, teacher: str, optimizer: str, lrs: tuple[float, ...], *,
             kind: str = "main", stage2: str = "two-best") -> None:
         task_key, prompts = LEVELS[level]
-        name = f"{level}/{teacher}/{optimizer}" + ("/retention" if kind == "retention" else "")
-        cells[name] = {"level": level, "task": TASKS[task_key], "prompts": prompts,
+        name = f"{level}/{teacher}/{optimizer}"
+        task = RETENTION["task"] if kind == "retention" else TASKS[task_key]
+        cells[name] = {"level": level, "task": task, "prompts": prompts,
                        "teacher": teacher, "optimizer": optimizer, "lrs": list(lrs),
                        "kind": kind, "stage2": stage2}
 
@@ -100,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--cells", default="all", help="comma-separated cell names, or all")
     p.add_argument("--stages", default="1,noise,2", help="which stages to run (comma-separated)")
+    p.add_argument("--effopd-lrs", type=int, default=99,
+                   help="budget cut: stage 1 runs EffOPD only at plain's N best lrs")
+    p.add_argument("--stage2-lrs", type=int, default=99,
+                   help="budget cut: stage 2 at each method's N best lrs at most")
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-size", type=int, default=EVAL_SIZE)
@@ -111,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grid", choices=("cpu", "gpu"), default=None,
                    help="the staged CPU grid, or the GPU study (default: gpu on a cuda device)")
     p.add_argument("--gpu-prompts", default="4096,1024", help="GPU grid: prompts per step levels")
-    p.add_argument("--gpu-teacher", default="rl", choices=tuple(TEACHERS), help="GPU grid: teacher")
+    p.add_argument("--gpu-teacher", default="rl", choices=("sft", "rl"), help="GPU grid: teacher")
     p.add_argument("--long-task", default=TASKS["long"], help="task spec of the long task")
     p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
                    help="start no run after this many seconds (the json stays resumable)")
@@ -180,11 +185,10 @@ class Models:
             from lookahead_opd.integrations.opd.zoo import build_pair
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            regime = RETENTION["regime"] if teacher == "retention" else TEACHERS[teacher]
-            pair_task = RETENTION["pair_task"] if teacher == "retention" else task_spec
+            extra = {"retain": [RETENTION["held_out"]]} if teacher == "retention" else {}
             try:
-                pair = build_pair(self.a.cache_dir, task_spec=pair_task, size=self.a.size,
-                                  teacher_regime=regime, progress=True)
+                pair = build_pair(self.a.cache_dir, task_spec=task_spec, size=self.a.size,
+                                  teacher_regime=TEACHERS[teacher], progress=True, **extra)
             except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
                 self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
                 return self._pairs[key]
@@ -530,7 +534,7 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
             return todo
         plain = cell_runs(results, cell_name, "plain")
         bt = results["bases"][f"{cell['task']}|{cell['teacher']}|0"]
-        for lr in sorted(lrs, key=lambda lr: rank_key(plain[lr][:1], bt)):
+        for lr in sorted(lrs, key=lambda lr: rank_key(plain[lr][:1], bt))[:a.effopd_lrs]:
             if run_key(cell_name, "effopd", lr, 0) not in done:
                 todo.append(("effopd", lr, 0, False))
         return todo
@@ -542,7 +546,7 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
         if run_key(cell_name, "noise", lr, 0) not in done:
             todo.append(("noise", lr, 0, True))
         return todo
-    k = {"two-best": 2, "best": 1, "all": 99, "none": 0}[cell["stage2"]]
+    k = min({"two-best": 2, "best": 1, "all": 99, "none": 0}[cell["stage2"]], a.stage2_lrs)
     for method in ("plain", "effopd"):
         for lr in best_lrs(results, cell_name, method, bt, k, seeds=1):
             for seed in a.stage2_seeds:
@@ -563,7 +567,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
     bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
     out: dict[str, Any] = {"cell": cell_name, **{k: cell[k] for k in ("level", "prompts", "teacher",
                                                                          "optimizer", "kind")}}
-    if bt is None:
+    if bt is None or not any(r["cell"] == cell_name for r in results["runs"].values()):
         return {**out, "status": "not run"}
     out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
                gain_se=bt["gain_se"], eval_n=bt["eval_n"])
@@ -751,18 +755,29 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                              "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
         lines += [f"### {name}", "", markdown_table(
             ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
-    not_run = [n for n, c in s.items() if c["status"] in ("not run", "partial")]
-    missing = [n for n, c in s.items() if c["status"] == "stage 1 only"]
-    lines += ["## Not run", ""]
-    reasons = results.get("unavailable", {})
-    for n in not_run:
-        lines.append(f"- {n}: " + (reasons.get(n) or "not reached within the CPU budget"))
-    for n in missing:
-        lines.append(f"- {n}: stage 2 (seeds {', '.join(map(str, a.stage2_seeds))} at each method's "
-                     "best lrs) not run within the CPU budget")
-    if not not_run and not missing:
-        lines.append("- every cell of the grid ran.")
+    lines += ["## Not run", "", "What the full staged protocol asks for and is not in the json "
+              "(stopped for the CPU budget unless a reason is given):", ""]
+    lines += not_run(a, results) or ["- every run of the grid ran."]
     return "\n".join(lines) + "\n"
+
+
+def not_run(a: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Per cell, the runs of the full protocol (no budget cuts) that are missing."""
+    full = argparse.Namespace(**{**vars(a), "effopd_lrs": 99, "stage2_lrs": 99})
+    reasons = results.get("unavailable", {})
+    out = []
+    for name, c in results["summary"].items():
+        if c["status"] == "not run":
+            out.append(f"- **{name}**: the whole cell — " + (reasons.get(name) or "not reached"))
+            continue
+        for stage in ("1", "noise", "2"):
+            todo = pending(full, results, name, stage)
+            if todo:
+                runs = ", ".join(f"{m} lr {lr:g} seed {sd}" for m, lr, sd, _ in todo)
+                later = " (and the stages after it)" if stage != "2" else ""
+                out.append(f"- {name}, stage {stage}{later}: {runs}")
+                break
+    return out
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
@@ -776,7 +791,8 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     import numpy as np
 
     s = results["summary"]
-    levels = list(dict.fromkeys(c["level"] for c in s.values()))
+    levels = sorted(dict.fromkeys(c["level"] for c in s.values()),
+                    key=lambda lv: list(LEVELS).index(lv) if lv in LEVELS else len(LEVELS))
     rows = list(dict.fromkeys(f"{c['teacher']}/{c['optimizer']}" for c in s.values()))
     grid = np.full((len(rows), len(levels)), np.nan)
     fig, ax = plt.subplots(figsize=(2.6 * len(levels) + 2, 1.1 * len(rows) + 1.5))
@@ -811,6 +827,7 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
 def save(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     results["summary"] = summarize(a, results)
     write_results(str(out), a.stem, results, report(a, results))
+    plot(a, results, out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -825,12 +842,12 @@ def main(argv: list[str] | None = None) -> int:
     if path.exists() and not a.fresh:
         old = json.loads(path.read_text())
         results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
+        results["unavailable"] = old.get("unavailable", {})
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
     results["machine"] = machine_info(torch.device(a.device))
     if a.report_only:
         save(a, results, out)
-        plot(a, results, out)
         return 0
     models = Models(a)
     start = time.perf_counter()
@@ -846,7 +863,6 @@ def main(argv: list[str] | None = None) -> int:
                 if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
                     tqdm.write(f"budget of {a.budget_s:.0f}s spent; rerun to continue")
                     save(a, results, out)
-                    plot(a, results, out)
                     return 0
                 method, lr, seed, noise = todo[0]
                 bar.set_postfix_str(f"{name} {method} lr {lr:g} seed {seed}")
@@ -858,7 +874,6 @@ def main(argv: list[str] | None = None) -> int:
                            f"final {run['final_accuracy']}, evals {len(run['evals'])}")
     bar.close()
     save(a, results, out)
-    plot(a, results, out)
     print(report(a, results))
     return 0
 

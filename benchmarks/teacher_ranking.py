@@ -1,29 +1,40 @@
-"""Does the training-free diagnostic predict which teacher distills best?
+"""Does the training-free diagnostic know something a teacher's accuracy does not?
 
-On the embedded arithmetic task (2-digit addition, the zoo's tiny Qwen2 base as the student):
+On the embedded arithmetic task (2-digit addition), one student — the zoo's ``tiny`` same-base
+base — and teachers chosen so that accuracy could mislead (the protocol, fixed before the first
+diagnostic run, is in ``docs/diagnostic.md`` → "The ranking protocol"):
 
-1. teachers of clearly different quality, all sharing the student's tokenizer:
-   ``long`` (the zoo teacher, the base trained to ≥ 95%), ``mid`` and ``short`` (the same base
-   trained for fewer steps), ``minus`` (the base trained on subtraction instead: skilled on a
-   different operation), ``self:solution`` (the student itself with the worked solution in
-   context) and ``copy`` (the student itself: the null teacher, whose gradient is zero);
-2. one diagnostic run scoring all of them (``diagnose``);
-3. one fixed-length OPD run (``OPDTrainer``) per teacher from the same student, same seed;
-4. the Spearman correlation, across teachers, between each diagnostic score and the realised
-   accuracy gain, and the diagnostic's wall-clock as a fraction of the OPD runs.
+``teacher``      the zoo teacher: the student trained further to ≥ 95% (same base);
+``path-N``       checkpoints of that same SFT run N steps from the student (several distances);
+``independent``  the zoo teacher of another initialisation (``teacher_regime="independent"``);
+``sharp``        ``teacher`` with its logits scaled ×``sharpen`` (lm_head weights): the same
+                 greedy answers, near one-hot;
+``zeropad``      the student trained to ≥ 95% on zero-padded answers (``082``): accurate under
+                 the task's checker, another solution format;
+``minus``        the student trained on subtraction instead (skilled elsewhere);
+``self:solution`` the student reading the worked solution first; ``copy`` the student itself.
 
-    python -m benchmarks.teacher_ranking            # the committed results (~10 min on 2 cores)
+1. the diagnostic (``diagnose``) scores every teacher, once per diagnostic seed;
+2. one fixed-length OPD run (``OPDTrainer``, full-vocabulary reverse KL) per teacher and seed, all
+   from the same student, appended to the results after every run (resumable: rerun the command);
+3. Spearman ρ across teachers between each score and the realised gain, with a bootstrap over
+   teachers and seeds; the regret of picking each score's top teacher; a paired bootstrap of
+   ρ(diagnostic) − ρ(teacher accuracy); the diagnostic's cost as a fraction of the OPD runs.
+
+    python -m benchmarks.teacher_ranking            # the committed results (~40 min, one thread)
     python -m benchmarks.teacher_ranking --quick    # smoke test (~1 min), results not committed
 
 Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
-``--quick``). Extra teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
+``--quick``). Teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -37,18 +48,30 @@ import torch
 
 from benchmarks.common import machine_info, markdown_table, write_results
 
-FULL = dict(questions=64, samples_per_question=2, budget=8_000, top_k=4, continuations=8,
-            thresholds=dict(student=0.2, short=0.5, mid=0.8, long=0.95), every=50,
-            max_pretrain_steps=5000, minus_steps=300,
-            opd_steps=100, opd_seeds=(0, 1, 2), batch_size=64,
-            learning_rate=3e-4, eval_size=400)
-QUICK = dict(questions=8, samples_per_question=2, budget=600, top_k=3, continuations=4,
-             thresholds=dict(student=0.0, short=0.01, mid=0.02, long=0.03), every=20,
-             max_pretrain_steps=100, minus_steps=10, opd_steps=3, opd_seeds=(0,),
-             batch_size=16,
-             learning_rate=3e-4, eval_size=50)
+FULL = dict(
+    # teachers
+    path_steps=(25, 100, 400), sharpen=10.0, minus_steps=300, zeropad_max_steps=6000,
+    teacher_min=0.95, quick_build=None,
+    # diagnostic
+    questions=64, samples_per_question=2, budget=8_000, top_k=4, continuations=8,
+    diagnostic_seeds=(0, 1, 2),
+    # OPD
+    loss="reverse_kl", opd_steps=100, opd_seeds=(0, 1, 2), batch_size=256, learning_rate=1e-3,
+    warmup_steps=4, eval_size=400,
+    # analysis
+    resamples=2000)
+QUICK = dict(
+    path_steps=(2, 4, 6), sharpen=10.0, minus_steps=4, zeropad_max_steps=4, teacher_min=0.0,
+    quick_build=dict(base_steps=20, teacher_steps=10),
+    questions=6, samples_per_question=2, budget=400, top_k=3, continuations=4,
+    diagnostic_seeds=(0, 1),
+    loss="reverse_kl", opd_steps=2, opd_seeds=(0, 1), batch_size=16, learning_rate=1e-3,
+    warmup_steps=1, eval_size=40,
+    resamples=200)
 SCORES = ("alignment", "alignment_incorrect", "alignment_correct", "advantage", "reverse_kl",
           "js", "topk_overlap", "teacher_mass_topk")
+ACCURACY = "teacher_accuracy"  # the baseline: what a leaderboard says
+DIAGNOSTIC = ("alignment", "advantage")  # the diagnostic's own scores, compared with ACCURACY
 
 
 def spearman(x: list[float | None], y: list[float]) -> float | None:
@@ -73,86 +96,145 @@ def _ranks(v: list[float]) -> np.ndarray:
     return r
 
 
+def top_regret(scores: list[float], gains: list[float]) -> float:
+    """Best gain − the gain of the top-scored teacher (ties: the mean over the tied ones, the
+    expected regret of picking one of them at random)."""
+    s = np.asarray(scores, dtype=np.float64)
+    g = np.asarray(gains, dtype=np.float64)
+    return float(g.max() - g[s == s.max()].mean())
+
+
+# ---------------------------------------------------------------------------------------------
+# teachers
+
+
 def _save(model: torch.nn.Module, tok: Any, out: Path) -> None:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    if out.exists():  # another process built it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     os.replace(tmp, out)
 
 
-# The zoo's first "tiny" Qwen2 shape (zoo v1). Its addition run rises sharply and reproducibly
-# (8% → 97% greedy accuracy between ~1000 and ~3000 steps), so checkpoints of one run give
-# teachers of clearly different quality. Registered under its own name: the zoo's "tiny" may change.
-SIZE = "ranking-tiny"
-
-
-def _trajectory(root: Path, thresholds: dict[str, float], *, every: int, max_steps: int,
-                probe_size: int, seed: int) -> dict[str, dict[str, Any]]:
-    """One from-scratch training run on addition (``zoo.pretrain``); the first checkpoint whose
-    greedy probe accuracy reaches each threshold is saved. Thresholds not reached by
-    ``max_steps`` get the final model (``reached: False``). Cached under ``root``."""
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
-    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
-    from lookahead_opd.integrations.opd.zoo import ZOO_SIZES, greedy_accuracy, make_model, pretrain
-
-    ZOO_SIZES.setdefault(SIZE, dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2))
-    key = "-".join(f"{k}{v:g}" for k, v in thresholds.items())
-    meta_path = root / f"trajectory-seed{seed}-{key}-{every}-{max_steps}.json"
-    if meta_path.is_file():
-        return json.loads(meta_path.read_text())
-    tok = char_tokenizer()
-    task = ArithmeticTask()
-    probe = task.problems("test", probe_size, seed=seed)
-    model = make_model(tok, SIZE, seed)
-    state: dict[str, Any] = {"step": 0, "curve": []}
-    found: dict[str, dict[str, Any]] = {}
-
-    def save(name: str, m: torch.nn.Module, acc: float, reached: bool) -> None:
-        path = root / f"{meta_path.stem}-{name}"
-        _save(m, tok, path)
-        found[name] = {"path": str(path), "step": state["step"], "probe_accuracy": acc,
-                       "reached": reached}
-
-    def checkpoint(m: torch.nn.Module) -> bool:
-        state["step"] += every
-        acc = greedy_accuracy(m, tok, task, probe)
-        state["curve"].append((state["step"], acc))
-        for name, threshold in thresholds.items():
-            if name not in found and acc >= threshold:
-                save(name, m, acc, True)
-        return len(found) == len(thresholds)
-
-    pretrain(model, tok, task, steps=max_steps, seed=seed, stop=checkpoint, eval_every=every,
-             progress=False)
-    last = state["curve"][-1][1] if state["curve"] else 0.0
-    for name in thresholds:
-        if name not in found:
-            save(name, model, last, False)
-    meta = {**found, "curve": state["curve"]}
-    meta_path.write_text(json.dumps(meta))
-    return meta
-
-
-def _other_op(root: Path, base: Path, ops: str, steps: int, seed: int) -> Path:
-    """``base`` trained ``steps`` more on ``ops`` arithmetic instead (skilled elsewhere)."""
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
-    from lookahead_opd.integrations.opd.zoo import pretrain
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = root / f"{base.name}-{ops}-{steps}-seed{seed}"
-    if not (out / "config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        pretrain(model, tok, ArithmeticTask(ops=ops), steps=steps, seed=seed + 7, progress=False)
-        _save(model, tok, out)
-    return out
-
-
-def _load(path: Path):
+def _load(path: Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _padded_task():
+    """Addition whose worked answers are zero-padded to three digits (``5+3=008``): the task's
+    checker reads the leading integer, so such answers count as correct."""
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+
+    class PaddedAddition(ArithmeticTask):
+        def sft_text(self, problem):
+            return problem.prompt + problem.answer.zfill(3)
+
+    return PaddedAddition()
+
+
+def _zoo_pairs(c: dict[str, Any], root: Path, seed: int) -> dict[str, Any]:
+    """The zoo pairs the teachers come from: ``build_pair`` (same-base and independent);
+    with ``--quick`` a few-step stand-in of each, so the smoke test builds in seconds."""
+    from lookahead_opd.integrations.opd.zoo import ZooPair, build_pair, make_model, pretrain
+
+    if c["quick_build"] is None:
+        return {"same-base": build_pair(seed=seed, progress=False),
+                "independent": build_pair(teacher_regime="independent", seed=seed,
+                                          progress=False)}
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+    q, tok, task = c["quick_build"], char_tokenizer(), ArithmeticTask()
+    out: dict[str, Any] = {}
+    for kind, size, steps, fresh in (("same-base", "tiny", q["teacher_steps"], False),
+                                     ("independent", "tiny", q["teacher_steps"], True)):
+        base_path, teacher_path = root / f"quick-{kind}-student", root / f"quick-{kind}-teacher"
+        if not (teacher_path / "config.json").is_file():
+            base = make_model(tok, size, seed)
+            pretrain(base, tok, task, steps=q["base_steps"], seed=seed, progress=False)
+            _save(base, tok, base_path)
+            teacher = make_model(tok, size, seed + 1000) if fresh else base
+            pretrain(teacher, tok, task, steps=steps, seed=seed + 1, progress=False)
+            _save(teacher, tok, teacher_path)
+        out[kind] = ZooPair(base_path, teacher_path, {})
+    return out
+
+
+def build_teachers(c: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """Build (or load from the cache) every model teacher. Returns the student's path,
+    name → model path (or ``None`` for ``self:solution`` and ``copy``, which are built around the
+    student when used) and what was built (steps, accuracies on the way)."""
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.zoo import cache_root, greedy_accuracy, pretrain
+    from transformers import AutoTokenizer
+
+    key = hashlib.sha256(json.dumps(
+        {k: c[k] for k in ("path_steps", "sharpen", "minus_steps", "zeropad_max_steps",
+                           "teacher_min", "quick_build")} | {"seed": seed},
+        sort_keys=True).encode()).hexdigest()[:10]
+    root = cache_root() / "teacher-ranking-v2" / key
+    root.mkdir(parents=True, exist_ok=True)
+    meta_path = root / "teachers.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return Path(meta["student"]), {k: v and Path(v) for k, v in meta["paths"].items()}, meta
+    pairs = _zoo_pairs(c, root, seed)
+    student_path = Path(pairs["same-base"].student_path)
+    tok = AutoTokenizer.from_pretrained(student_path)
+    task = ArithmeticTask()
+    probe = task.problems("test", 200, seed=seed)
+    built: dict[str, Any] = {"zoo": {k: {"student": str(p.student_path),
+                                         "teacher": str(p.teacher_path),
+                                         "accuracies": p.accuracies} for k, p in pairs.items()}}
+    paths: dict[str, Path | None] = {"teacher": Path(pairs["same-base"].teacher_path)}
+
+    # path-N: the zoo teacher's own SFT run (same start, same data seed) stopped at N steps
+    every = math.gcd(*c["path_steps"])
+    model, step = _load(student_path).train(), [0]
+
+    def keep(m: torch.nn.Module) -> bool:
+        step[0] += every
+        if step[0] in c["path_steps"]:
+            _save(m, tok, root / f"path-{step[0]}")
+        return step[0] >= max(c["path_steps"])
+
+    pretrain(model, tok, task, steps=max(c["path_steps"]), seed=seed + 1, eval_every=every,
+             stop=keep, progress=False)
+    for n in c["path_steps"]:
+        paths[f"path-{n}"] = root / f"path-{n}"
+    paths["independent"] = Path(pairs["independent"].teacher_path)
+
+    # sharp: the same teacher, logits × sharpen (Qwen2's lm_head has no bias)
+    sharp = _load(paths["teacher"])
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(c["sharpen"])
+    _save(sharp, tok, root / "sharp")
+    paths["sharp"] = root / "sharp"
+
+    # zeropad: the student trained on another answer format until the checker says >= 95%
+    model = _load(student_path).train()
+    zp_steps = pretrain(model, tok, _padded_task(), steps=c["zeropad_max_steps"], seed=seed + 2,
+                        eval_every=100 if c["quick_build"] is None else 2, progress=False,
+                        stop=lambda m: greedy_accuracy(m, tok, task, probe) >= c["teacher_min"])
+    _save(model, tok, root / "zeropad")
+    paths["zeropad"] = root / "zeropad"
+    built["zeropad_steps"] = zp_steps
+
+    # minus: the student trained on subtraction instead
+    model = _load(student_path).train()
+    pretrain(model, tok, ArithmeticTask(ops="-"), steps=c["minus_steps"], seed=seed + 7,
+             progress=False)
+    _save(model, tok, root / "minus")
+    paths["minus"] = root / "minus"
+    paths["self:solution"] = paths["copy"] = None
+    meta = {"student": str(student_path), "paths": {k: v and str(v) for k, v in paths.items()},
+            **built}
+    meta_path.write_text(json.dumps(meta, indent=1))
+    return student_path, paths, meta
 
 
 def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list,
@@ -179,102 +261,17 @@ def _greedy_accuracy(model: torch.nn.Module, tok: Any, task: Any, problems: list
     return sum(task.is_correct(t, p) for t, p in zip(texts, problems, strict=True)) / len(problems)
 
 
-def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.config import OPDConfig
-    from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
-    from lookahead_opd.integrations.opd.trainer import OPDTrainer
-    from lookahead_opd.integrations.opd.zoo import cache_root
-    from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
-    from transformers import AutoTokenizer
+# ---------------------------------------------------------------------------------------------
+# the measurements (each appended to the results as soon as it exists)
 
-    c = QUICK if quick else FULL
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    task = ArithmeticTask()
-    t0 = time.perf_counter()
-    root = cache_root() / "teacher-ranking"
-    root.mkdir(parents=True, exist_ok=True)
-    traj = _trajectory(root, c["thresholds"], every=c["every"], max_steps=c["max_pretrain_steps"],
-                       probe_size=200, seed=seed)
-    student_path = Path(traj["student"]["path"])
-    paths = {name: Path(traj[name]["path"]) for name in ("long", "mid", "short")}
-    paths["minus"] = _other_op(root, student_path, "-", c["minus_steps"], seed)
-    build_seconds = time.perf_counter() - t0
-    tok = AutoTokenizer.from_pretrained(student_path)
-    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
+def _protocol(c: dict[str, Any], seed: int) -> str:
+    return hashlib.sha256(json.dumps({**c, "seed": seed}, sort_keys=True,
+                                     default=str).encode()).hexdigest()[:12]
 
-    names = [*paths, "self:solution", "copy"]
 
-    def make_teacher(name: str, student: torch.nn.Module) -> torch.nn.Module:
-        if name in paths:
-            return _load(paths[name])
-        frozen = copy.deepcopy(student).eval()  # OPDTrainer freezes its teacher
-        if name == "copy":
-            return frozen
-        return ContextTeacher.for_task(frozen, tok, task, all_problems, "solution")
-
-    # Teacher quality on their own (greedy, held-out): context for the reader, not a score.
-    probe = task.problems("test", c["eval_size"], seed=seed + 1)
-    student = _load(student_path)
-    teacher_acc = {k: _greedy_accuracy(make_teacher(k, student), tok, task, probe,
-                                       task.max_new_tokens) for k in names}
-    student_acc = _greedy_accuracy(student, tok, task, probe, task.max_new_tokens)
-    print("student accuracy:", student_acc, "teacher accuracy:",
-          {k: round(v, 3) for k, v in teacher_acc.items()}, flush=True)
-
-    # 1. the diagnostic, once, over every teacher
-    diag_teachers = {k: make_teacher(k, student) for k in names}
-    t1 = time.perf_counter()
-    report = diagnose(student, diag_teachers, task, tokenizer=tok, budget=c["budget"],
-                      questions=c["questions"], samples_per_question=c["samples_per_question"],
-                      top_k=c["top_k"], continuations=c["continuations"], seed=seed,
-                      split="train", progress=False)
-    diag_seconds = time.perf_counter() - t1
-    print(report.table(), flush=True)
-
-    # 2. fixed-length OPD runs per teacher (several seeds: a gain is a noisy number), all from
-    #    the same student; seed s uses the same prompts and rollout seeds for every teacher
-    runs: dict[str, dict[str, Any]] = {}
-    scratch = tempfile.mkdtemp(prefix="teacher-ranking-")  # OPD checkpoints: not kept
-    for name in report.teachers:
-        per_seed = []
-        for s in c["opd_seeds"]:
-            student = _load(student_path)
-            teacher = make_teacher(name, student)
-            cfg = OPDConfig(output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
-                            batch_size=c["batch_size"], max_steps=c["opd_steps"],
-                            learning_rate=c["learning_rate"], warmup_steps=4, eval_every=0,
-                            eval_size=c["eval_size"], seed=seed + s, progress=False)
-            trainer = OPDTrainer(cfg, student, teacher, task,
-                                 HFEngine(student, tok, batch_size=256), tokenizer=tok)
-            t2 = time.perf_counter()
-            result = trainer.train()
-            wall = time.perf_counter() - t2
-            before, after = result.evals[0][1], result.evals[-1][1]
-            per_seed.append({"seed": seed + s, "accuracy_before": before, "accuracy_after": after,
-                             "gain": after - before, "train_seconds": trainer.train_seconds,
-                             "wall_seconds": wall})
-            print(f"OPD with {name} (seed {seed + s}): {before:.3f} -> {after:.3f} "
-                  f"in {wall:.1f}s", flush=True)
-        gains_ = [r["gain"] for r in per_seed]
-        runs[name] = {
-            "accuracy_before": float(np.mean([r["accuracy_before"] for r in per_seed])),
-            "accuracy_after": float(np.mean([r["accuracy_after"] for r in per_seed])),
-            "gain": float(np.mean(gains_)),
-            "gain_sem": float(np.std(gains_, ddof=1) / np.sqrt(len(gains_))) if len(gains_) > 1
-            else None,
-            "train_seconds": per_seed[0]["train_seconds"],
-            "wall_seconds": per_seed[0]["wall_seconds"],
-            "seeds": per_seed}
-    shutil.rmtree(scratch, ignore_errors=True)
-
-    # 3. correlations across teachers
-    names = report.teachers
-    gains = [runs[n]["gain"] for n in names]
-    score_values: dict[str, list[float | None]] = {}
+def _diagnostic_scores(report: Any, names: list[str]) -> dict[str, list[float | None]]:
+    out: dict[str, list[float | None]] = {}
     for score in SCORES:
         if score.startswith("alignment_"):
             outcome = score.split("_", 1)[1]
@@ -286,112 +283,410 @@ def run(quick: bool, out_dir: str, seed: int) -> dict[str, Any]:
             # alignment is undefined (None in the report); for ranking it counts as 0.
             vals = [0.0 if v is None and report.summary[n]["zero_gradient_nodes"] else v
                     for n, v in zip(names, vals, strict=True)]
-        score_values[score] = vals
-    baseline = "teacher_accuracy (baseline, not a diagnostic score)"
-    score_values[baseline] = [teacher_acc[n] for n in names]
-    corr = {s: spearman(v, gains) for s, v in score_values.items()}
-    # The practical question: does the top-scored teacher give the best OPD run? (For proxies
-    # with no agreed direction, both ends are shown: highest-scored and lowest-scored.)
-    best_gain = max(gains)
-    picks: dict[str, dict[str, Any]] = {}
-    for s_name, vals in score_values.items():
-        known = [(v, n) for v, n in zip(vals, names, strict=True) if v is not None]
-        if not known:
-            continue
-        hi, lo = max(known)[1], min(known)[1]
-        picks[s_name] = {"highest": hi, "highest_regret": best_gain - runs[hi]["gain"],
-                         "lowest": lo, "lowest_regret": best_gain - runs[lo]["gain"]}
-    opd_train = sum(r["train_seconds"] for r in runs.values())
-    opd_wall = sum(r["wall_seconds"] for r in runs.values())
-    data = {
-        "quick": quick, "config": c, "seed": seed, "machine": machine_info(torch.device("cpu")),
-        "student_accuracy": student_acc, "build_seconds": build_seconds,
-        "trajectory": traj,
-        "teacher_accuracy": teacher_acc, "runs": runs,
-        "diagnostic": {"seconds": diag_seconds, "stages": report.seconds, "counts": report.counts,
-                       "rollouts_used": report.rollouts_used, "ranking": report.ranking(),
-                       "summary": {n: {k: v for k, v in report.summary[n].items()
-                                       if k != "per_question_alignment"} for n in names}},
-        "scores": score_values, "spearman": corr, "picks": picks,
-        "best_teacher_by_gain": names[int(np.argmax(gains))],
-        "diagnostic_fraction_of_opd_train_seconds": diag_seconds / opd_train if opd_train else None,
-        "diagnostic_fraction_of_opd_wall_seconds": diag_seconds / opd_wall if opd_wall else None,
-    }
+        out[score] = vals
+    return out
+
+
+def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> dict[str, Any]:
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+    from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    c = QUICK if quick else FULL
     stem = "teacher_ranking_quick" if quick else "teacher_ranking"
-    clean = json.loads(json.dumps(data, default=float))
-    for p in write_results(out_dir, stem, clean, _markdown(data)):
-        print("wrote", p)
+    json_path = Path(out_dir) / f"{stem}.json"
+    protocol = _protocol(c, seed)
+    data: dict[str, Any] = {}
+    if json_path.is_file():
+        old = json.loads(json_path.read_text())
+        if old.get("protocol") == protocol:
+            data = old  # resume: keep every measurement already made under this protocol
+    task = ArithmeticTask()
+
+    t0 = time.perf_counter()
+    student_path, paths, built = build_teachers(c, seed)
+    tok = AutoTokenizer.from_pretrained(student_path)
+    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
+    names = list(paths)
+
+    def make_teacher(name: str, student: torch.nn.Module) -> torch.nn.Module:
+        if paths[name] is not None:
+            return _load(paths[name])
+        frozen = copy.deepcopy(student).eval()  # OPDTrainer freezes its teacher
+        if name == "copy":
+            return frozen
+        return ContextTeacher.for_task(frozen, tok, task, all_problems, "solution")
+
+    def save() -> None:
+        clean = json.loads(json.dumps(data, default=float))
+        write_results(out_dir, stem, clean, _markdown(clean))
+        if clean.get("analysis"):
+            _plot(clean, Path(out_dir) / PLOT)
+
+    if not data:
+        probe = task.problems("test", c["eval_size"], seed=seed + 1)
+        student = _load(student_path)
+        data = {
+            "quick": quick, "protocol": protocol, "config": c, "seed": seed,
+            "machine": machine_info(torch.device("cpu")), "teachers": names,
+            "built": built, "build_seconds": time.perf_counter() - t0,
+            "student_accuracy": _greedy_accuracy(student, tok, task, probe, task.max_new_tokens),
+            ACCURACY: {n: _greedy_accuracy(make_teacher(n, student), tok, task, probe,
+                                           task.max_new_tokens) for n in names},
+            "diagnostic": {}, "runs": []}
+        print("student accuracy:", data["student_accuracy"], "teacher accuracy:",
+              {k: round(v, 3) for k, v in data[ACCURACY].items()}, flush=True)
+        save()
+
+    # 1. the diagnostic, once per diagnostic seed, over every teacher
+    for ds in c["diagnostic_seeds"]:
+        if str(ds) in data["diagnostic"]:
+            continue
+        student = _load(student_path)
+        teachers = {n: make_teacher(n, student) for n in names}
+        t1 = time.perf_counter()
+        report = diagnose(student, teachers, task, tokenizer=tok, budget=c["budget"],
+                          questions=c["questions"],
+                          samples_per_question=c["samples_per_question"], top_k=c["top_k"],
+                          continuations=c["continuations"], seed=seed + ds, split="train",
+                          loss=c["loss"], progress=False)
+        seconds = time.perf_counter() - t1
+        print(report.table(), flush=True)
+        data["diagnostic"][str(ds)] = {
+            "seconds": seconds, "stages": report.seconds, "counts": report.counts,
+            "rollouts_used": report.rollouts_used, "scores": _diagnostic_scores(report, names),
+            "alignment_ci": {n: [report.summary[n]["alignment"]["ci_lo"],
+                                 report.summary[n]["alignment"]["ci_hi"]] for n in names}}
+        save()
+
+    # 2. OPD runs, seed-major: every teacher gets seed 0 before any gets seed 1
+    done = {(r["teacher"], r["seed"]) for r in data["runs"]}
+    todo = [(s, n) for s in c["opd_seeds"] for n in names if (n, seed + s) not in done]
+    if stop_after is not None:
+        todo = todo[:stop_after]
+    scratch = tempfile.mkdtemp(prefix="teacher-ranking-")  # OPD checkpoints: not kept
+    for s, name in tqdm(todo, desc="OPD runs", disable=quick, dynamic_ncols=True):
+        student = _load(student_path)
+        teacher = make_teacher(name, student)
+        cfg = OPDConfig(output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
+                        loss=c["loss"], batch_size=c["batch_size"], max_steps=c["opd_steps"],
+                        learning_rate=c["learning_rate"], warmup_steps=c["warmup_steps"],
+                        eval_every=0, eval_size=c["eval_size"], seed=seed + s, progress=False)
+        trainer = OPDTrainer(cfg, student, teacher, task,
+                             HFEngine(student, tok, batch_size=256), tokenizer=tok)
+        t2 = time.perf_counter()
+        result = trainer.train()
+        wall = time.perf_counter() - t2
+        before, after = result.evals[0][1], result.evals[-1][1]
+        data["runs"].append({"teacher": name, "seed": seed + s, "accuracy_before": before,
+                             "accuracy_after": after, "gain": after - before,
+                             "train_seconds": trainer.train_seconds, "wall_seconds": wall})
+        print(f"OPD with {name} (seed {seed + s}): {before:.3f} -> {after:.3f} in {wall:.1f}s",
+              flush=True)
+        save()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    # 3. the analysis, from everything measured so far
+    data["analysis"] = analyse(data)
+    save()
+    print((Path(out_dir) / f"{stem}.md").read_text())
     return data
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis
+
+
+def _score_table(data: dict[str, Any]) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Score name → [diagnostic seed, teacher] values (NaN where undefined); accuracy has one
+    row. Proxies keep their sign: a negative ρ is reported as such."""
+    names = data["teachers"]
+    diag = [data["diagnostic"][k]["scores"] for k in sorted(data["diagnostic"])]
+    table = {s: np.array([[np.nan if v is None else v for v in d[s]] for d in diag],
+                         dtype=np.float64).reshape(len(diag), len(names)) for s in SCORES}
+    table[ACCURACY] = np.array([[data[ACCURACY][n] for n in names]], dtype=np.float64)
+    return names, table
+
+
+def _nanmean_rows(a: np.ndarray) -> np.ndarray:
+    """Column means over the rows that are known; NaN where none is."""
+    known = ~np.isnan(a)
+    count = known.sum(0)
+    total = np.where(known, a, 0.0).sum(0)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
+def _rho(scores: np.ndarray, gains: np.ndarray) -> float:
+    ok = ~np.isnan(scores)
+    r = spearman(list(scores[ok]), list(gains[ok]))
+    return np.nan if r is None else r
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Gains per teacher (mean ± s.e.m. over seeds), Spearman ρ of every score with a bootstrap
+    95% interval, the regret of each score's top pick, and the paired bootstrap of
+    ρ(diagnostic) − ρ(accuracy). The bootstrap resamples teachers (with replacement) and, within
+    each drawn teacher, its OPD seeds and the diagnostic seeds."""
+    names, table = _score_table(data)
+    if not data["runs"] or not data["diagnostic"]:
+        return {}
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in data["runs"]:
+        per[r["teacher"]].append(r["gain"])
+    have = [i for i, n in enumerate(names) if per[n]]
+    if len(have) < 3:
+        return {}
+    names_h = [names[i] for i in have]
+    gains = {n: np.array(per[n]) for n in names_h}
+    mean_gain = np.array([gains[n].mean() for n in names_h])
+    out: dict[str, Any] = {
+        "teachers": names_h,
+        "gain": {n: {"mean": float(gains[n].mean()), "seeds": len(gains[n]),
+                     "sem": float(gains[n].std(ddof=1) / math.sqrt(len(gains[n])))
+                     if len(gains[n]) > 1 else None} for n in names_h}}
+    point = {s: _nanmean_rows(table[s][:, have]) for s in table}
+    best = names_h[int(np.argmax(mean_gain))]
+    out["best_teacher"] = best
+    scores_out: dict[str, Any] = {}
+    for s, v in list(point.items()):
+        ok = ~np.isnan(v)
+        if not ok.any():  # e.g. alignment on correct rollouts when none was correct
+            del point[s], table[s]
+            continue
+        hi = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmax(v)))]
+        lo = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmin(v)))]
+        scores_out[s] = {
+            "values": {n: (None if np.isnan(x) else float(x)) for n, x in zip(names_h, v,
+                                                                             strict=True)},
+            "rho": None if np.isnan(_rho(v, mean_gain)) else _rho(v, mean_gain),
+            "top": hi, "top_regret": top_regret(list(v[ok]), list(mean_gain[ok])),
+            "bottom": lo, "bottom_regret": top_regret(list(-v[ok]), list(mean_gain[ok]))}
+
+    # bootstrap: teachers with replacement; within each, its OPD seeds and diagnostic seeds
+    rng = np.random.default_rng(data["seed"])
+    B = data["config"]["resamples"]
+    rhos = {s: np.full(B, np.nan) for s in table}
+    regrets = {s: np.full(B, np.nan) for s in table}
+    n = len(names_h)
+    for b in range(B):
+        pick = rng.integers(n, size=n)
+        g = np.array([rng.choice(gains[names_h[i]], size=len(gains[names_h[i]])).mean()
+                      for i in pick])
+        for s, tab in table.items():
+            rows = rng.integers(tab.shape[0], size=(tab.shape[0], n))
+            v = _nanmean_rows(tab[rows, np.asarray(have)[pick]])
+            rhos[s][b] = _rho(v, g)
+            ok = ~np.isnan(v)
+            if ok.any():
+                regrets[s][b] = top_regret(list(v[ok]), list(g[ok]))
+
+    def ci(x: np.ndarray) -> list[float] | None:
+        x = x[~np.isnan(x)]
+        return None if len(x) < 10 else [float(np.percentile(x, 2.5)),
+                                         float(np.percentile(x, 97.5))]
+
+    for s in table:
+        scores_out[s]["rho_ci"] = ci(rhos[s])
+        scores_out[s]["top_regret_ci"] = ci(regrets[s])
+    out["scores"] = scores_out
+    paired = {}
+    for s in DIAGNOSTIC:
+        if s not in rhos:
+            continue
+        d = rhos[s] - rhos[ACCURACY]
+        both = ~np.isnan(d)
+        interval = ci(d)
+        rho_d, rho_a = scores_out[s]["rho"], scores_out[ACCURACY]["rho"]
+        paired[s] = {"difference": None if rho_d is None or rho_a is None else rho_d - rho_a,
+                     "ci": interval, "resamples_used": int(both.sum()),
+                     "p_le_0": float((d[both] <= 0).mean()) if both.any() else None,
+                     "beats": bool(interval is not None and interval[0] > 0),
+                     "loses": bool(interval is not None and interval[1] < 0)}
+    out["paired"] = paired
+
+    # cost: one diagnostic run against the OPD runs it replaces (one per teacher, one seed)
+    diag_s = float(np.mean([d["seconds"] for d in data["diagnostic"].values()]))
+    train = {n: np.mean([r["train_seconds"] for r in data["runs"] if r["teacher"] == n])
+             for n in names_h}
+    wall = {n: np.mean([r["wall_seconds"] for r in data["runs"] if r["teacher"] == n])
+            for n in names_h}
+    out["cost"] = {"diagnostic_seconds": diag_s, "opd_train_seconds": float(sum(train.values())),
+                   "opd_wall_seconds": float(sum(wall.values())),
+                   "fraction_of_train": diag_s / float(sum(train.values())),
+                   "fraction_of_wall": diag_s / float(sum(wall.values()))}
+    out["verdict"] = _verdict(out)
+    return out
+
+
+def _verdict(a: dict[str, Any]) -> str:
+    if "alignment" not in a["paired"]:
+        return "The diagnostic's alignment is undefined for every teacher: no verdict."
+    p, s = a["paired"]["alignment"], a["scores"]
+    acc, al = s[ACCURACY], s["alignment"]
+
+    def r(x: dict[str, Any]) -> str:
+        return _fmt(x["rho"], 2) + ("" if x["rho_ci"] is None else " " + _ci(x["rho_ci"]))
+
+    diff = "—" if p["difference"] is None else f"{p['difference']:+.2f}"
+    ci_ = "" if p["ci"] is None else f", paired 95% interval [{p['ci'][0]:+.2f}, {p['ci'][1]:+.2f}]"
+    word = ("beats" if p["beats"] else "is beaten by" if p["loses"]
+            else "does not beat")
+    return (f"The diagnostic (alignment) {word} teacher accuracy at ranking these "
+            f"{len(a['teachers'])} teachers: Spearman ρ with the realised gain {r(al)} against "
+            f"{r(acc)} for accuracy, difference {diff}{ci_}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
 
 
 def _fmt(v: Any, digits: int = 3) -> str:
     return "—" if v is None else f"{v:+.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def _gain(r: dict[str, Any]) -> str:
-    return _fmt(r["gain"]) + ("" if r.get("gain_sem") is None else f" ± {r['gain_sem']:.3f}")
+def _ci(v: list[float] | None, digits: int = 2) -> str:
+    return "—" if v is None else f"[{v[0]:+.{digits}f}, {v[1]:+.{digits}f}]"
 
 
-def _ck(d: dict[str, Any], name: str) -> str:
-    t = d["trajectory"][name]
-    note = "" if t["reached"] else ", threshold not reached"
-    return f"step {t['step']}, probe {t['probe_accuracy']:.2f}{note}"
+ABOUT = {
+    "teacher": "the zoo teacher: the student's own base trained further (same-base)",
+    "independent": "zoo teacher of another initialisation (trained from scratch)",
+    "sharp": "`teacher` with logits ×{sharpen}: same greedy answers, near one-hot",
+    "zeropad": "the student trained on zero-padded answers (`082`) to ≥ {teacher_min:.0%}",
+    "minus": "the student trained {minus_steps} steps on subtraction instead",
+    "self:solution": "the student reading the worked solution before the prompt",
+    "copy": "the student itself (zero distillation gradient)",
+}
+
+
+def _about(name: str, c: dict[str, Any]) -> str:
+    if name.startswith("path-"):
+        return (f"the zoo teacher's SFT run stopped {name[5:]} steps from the student "
+                "(same data order)")
+    return ABOUT[name].format(**c)
 
 
 def _markdown(d: dict[str, Any]) -> str:
-    names = list(d["runs"])
-    rows = [[n, f"{d['teacher_accuracy'][n]:.3f}", f"{d['runs'][n]['accuracy_before']:.3f}",
-             f"{d['runs'][n]['accuracy_after']:.3f}", _gain(d["runs"][n])]
-            + [_fmt(d["scores"][s][i]) for s in SCORES] for i, n in enumerate(names)]
-    table = markdown_table(["teacher", "teacher acc", "student before", "after OPD", "gain",
-                            *SCORES], rows)
-    corr = markdown_table(
-        ["score", "Spearman ρ vs gain", "highest-scored teacher (regret)",
-         "lowest-scored teacher (regret)"],
-        [[s, _fmt(v, 2),
-          f"{d['picks'][s]['highest']} ({d['picks'][s]['highest_regret']:.3f})",
-          f"{d['picks'][s]['lowest']} ({d['picks'][s]['lowest_regret']:.3f})"]
-         for s, v in d["spearman"].items()])
-    diag = d["diagnostic"]
     c, m = d["config"], d["machine"]
-    return "\n".join([
-        "# Teacher ranking: does the diagnostic predict the OPD gain?"
-        + (" (quick)" if d["quick"] else ""),
-        "",
-        f"One training run from scratch on 2-digit addition (Qwen2, hidden 64, 2 layers; "
-        f"`zoo.pretrain`), checkpointed the first time its greedy probe accuracy reached each "
-        f"threshold: the student ({_ck(d, 'student')}), `short` ({_ck(d, 'short')}), `mid` "
-        f"({_ck(d, 'mid')}) and `long` ({_ck(d, 'long')}) — teachers trained for different "
-        f"lengths from the same start. `minus`: the student trained {c['minus_steps']} steps on "
-        f"subtraction instead; `self:solution`: the student reading the worked solution before "
-        f"the prompt; `copy`: the student itself (zero distillation gradient). "
-        f"{len(names)} teachers; one diagnostic run "
-        f"({c['questions']} questions × {c['samples_per_question']} rollouts, top-{c['top_k']} + "
-        f"sampled, {c['continuations']} continuations per candidate, budget {c['budget']}: "
-        f"{diag['rollouts_used']} rollouts, {diag['counts']['nodes']} nodes, "
-        f"{diag['counts']['informative']} informative); then {c['opd_steps']} OPD steps "
-        f"× {len(c['opd_seeds'])} seeds "
-        f"(batch {c['batch_size']}, lr {c['learning_rate']}, reverse-KL PG) per teacher, gain = "
-        f"held-out greedy accuracy after − before ({c['eval_size']} problems), mean ± s.e.m. "
-        "over seeds; the student's own accuracy is measured on a separate probe.",
-        "",
-        table, "",
-        "A teacher whose distillation gradient is zero at every node (`copy`) has no alignment "
-        "(the report says `None` and counts zero-gradient nodes); here it counts as 0.", "",
-        "Spearman correlation across teachers between each score and the realised gain "
-        f"(n = {len(names)} teachers; the two-sided 5% critical value of Spearman's ρ is "
-        "0.886 for n = 6 — a rank correlation over so few teachers is a coarse check):", "",
-        corr, "",
-        f"Best teacher by realised gain: `{d['best_teacher_by_gain']}`. Regret = best gain − "
-        "the picked teacher's gain.", "",
-        f"Diagnostic wall-clock: {diag['seconds']:.1f} s = "
-        f"{d['diagnostic_fraction_of_opd_train_seconds']:.3f} of the OPD runs' training time "
-        f"({sum(r['train_seconds'] for r in d['runs'].values()):.1f} s; "
-        f"{d['diagnostic_fraction_of_opd_wall_seconds']:.3f} of their wall-clock with evaluation).",
-        "",
-        f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch threads, shared with "
-        f"other jobs; torch {m['torch']}; commit {m['git_commit']}.",
-    ])
+    a = d.get("analysis") or {}
+    names = d["teachers"]
+    lines = ["# Teacher ranking: does the diagnostic know something teacher accuracy does not?"
+             + (" (quick)" if d["quick"] else ""), ""]
+    if a.get("verdict"):
+        lines += [f"**{a['verdict']}**", ""]
+    lines += [
+        f"Student: the zoo `tiny` same-base base (greedy accuracy {d['student_accuracy']:.3f} "
+        f"on {c['eval_size']} held-out problems). Protocol fixed before the first diagnostic run "
+        "(docs/diagnostic.md, \"The ranking protocol\"): OPD with the full-vocabulary "
+        f"`{c['loss']}` loss, {c['opd_steps']} steps × batch {c['batch_size']}, lr "
+        f"{c['learning_rate']} (warmup {c['warmup_steps']}), from the same student for every "
+        f"teacher, seeds {list(c['opd_seeds'])}; gain = greedy accuracy after − before on "
+        f"{c['eval_size']} held-out problems. Diagnostic: {c['questions']} questions × "
+        f"{c['samples_per_question']} rollouts, top-{c['top_k']} + sampled candidates, "
+        f"{c['continuations']} continuations each, budget {c['budget']}, run once per "
+        f"diagnostic seed {list(c['diagnostic_seeds'])}; scores are the mean over them. "
+        f"Teacher accuracy (the baseline): greedy exact match on the same {c['eval_size']} "
+        "problems.", ""]
+    rows = []
+    g = a.get("gain", {})
+    sc = a.get("scores", {})
+    for n in names:
+        gi = g.get(n)
+        gain = "—" if gi is None else _fmt(gi["mean"]) + (
+            "" if gi["sem"] is None else f" ± {gi['sem']:.3f}") + f" (n={gi['seeds']})"
+        rows.append([f"`{n}`", _about(n, c), f"{d[ACCURACY][n]:.3f}", gain]
+                    + [_fmt(sc[s]["values"].get(n)) if s in sc else "—"
+                       for s in ("alignment", "advantage", "reverse_kl", "teacher_mass_topk")])
+    lines += ["## Teachers and realised gains", "",
+              markdown_table(["teacher", "what it is", "teacher acc", "OPD gain (± s.e.m.)",
+                              "alignment", "advantage", "reverse_kl", "teacher_mass_topk"],
+                             rows), ""]
+    if sc:
+        lines += [
+            "## Which score predicts the gain?", "",
+            f"Spearman ρ across the {len(a['teachers'])} teachers between each score and the "
+            "mean gain; 95% interval from a bootstrap over teachers (with replacement) and, "
+            "within each, its OPD seeds and diagnostic seeds "
+            f"({c['resamples']} resamples). Regret = best mean gain (`{a['best_teacher']}`) − "
+            "the gain of the top-scored teacher (ties: their mean); proxies have no agreed "
+            "direction, so the lowest-scored pick is shown too.", "",
+            markdown_table(
+                ["score", "ρ vs gain", "95% interval", "top-scored (regret)",
+                 "regret 95% interval", "lowest-scored (regret)"],
+                [[s + (" (baseline)" if s == ACCURACY else ""), _fmt(v["rho"], 2),
+                  _ci(v["rho_ci"]), f"{', '.join(v['top'])} ({v['top_regret']:.3f})",
+                  _ci(v["top_regret_ci"], 3),
+                  f"{', '.join(v['bottom'])} ({v['bottom_regret']:.3f})"]
+                 for s, v in sc.items()]), "",
+            "## Paired comparison with teacher accuracy", "",
+            "ρ(score) − ρ(teacher accuracy) on the same bootstrap resamples; the diagnostic "
+            "\"beats\" accuracy only if the 95% interval excludes 0.", "",
+            markdown_table(["score", "ρ difference", "95% interval", "share of resamples ≤ 0",
+                            "verdict"],
+                           [[s, _fmt(p["difference"], 2), _ci(p["ci"]),
+                             "—" if p["p_le_0"] is None else f"{p['p_le_0']:.3f}",
+                             "beats" if p["beats"] else "loses" if p["loses"]
+                             else "no difference shown"] for s, p in a["paired"].items()]), ""]
+        co = a["cost"]
+        lines += [
+            "## Cost", "",
+            f"One diagnostic run over all {len(names)} teachers: {co['diagnostic_seconds']:.1f} s "
+            f"(mean of {len(d['diagnostic'])} runs) = **{co['fraction_of_train']:.3f}** of the "
+            f"training time of the OPD runs it replaces (one per teacher, "
+            f"{co['opd_train_seconds']:.0f} s; {co['fraction_of_wall']:.3f} of their wall-clock "
+            "with evaluation).", ""]
+    if sc:
+        lines += [f"![gain against alignment and against teacher accuracy]({PLOT})", ""]
+    runs = d["runs"]
+    lines += [f"{len(runs)} OPD runs recorded; per-run numbers in the JSON. Command: "
+              f"`python -m benchmarks.teacher_ranking{' --quick' if d['quick'] else ''}` "
+              "(rerun it to resume).", "",
+              f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch thread(s), shared "
+              f"with other jobs; torch {m['torch']}; commit {m['git_commit']}."]
+    return "\n".join(lines)
+
+
+PLOT = "teacher_ranking.png"
+
+
+def _plot(d: dict[str, Any], path: Path) -> None:
+    """Mean gain (± s.e.m.) against alignment and against teacher accuracy, one point per
+    teacher: where the two panels differ is what the diagnostic adds."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = d["analysis"]
+    names = a["teachers"]
+    gain = [a["gain"][n]["mean"] for n in names]
+    err = [a["gain"][n]["sem"] or 0.0 for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    for ax, score in zip(axes, ("alignment", ACCURACY), strict=True):
+        if score not in a["scores"]:
+            continue
+        x = [np.nan if (v := a["scores"][score]["values"][n]) is None else v for n in names]
+        ax.errorbar(x, gain, yerr=err, fmt="o", capsize=3)
+        for xi, yi, n in zip(x, gain, names, strict=True):
+            ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        v = a["scores"][score]
+        ax.set_xlabel(f"{score} (ρ = {_fmt(v['rho'], 2)}, 95% {_ci(v['rho_ci'])})")
+        ax.axhline(0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
+    fig.suptitle("Realised OPD gain per teacher: the diagnostic vs the teacher's own accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,10 +696,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: fastest for these tiny models on a shared CPU)")
+    parser.add_argument("--stop_after", type=int, default=None,
+                        help="run at most this many OPD runs now (rerun to resume)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    run(args.quick, args.output_dir, args.seed)
+    run(args.quick, args.output_dir, args.seed, args.stop_after)
     return 0
 
 

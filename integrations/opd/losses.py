@@ -501,14 +501,6 @@ def generalized_jsd_loss(
 # registry
 # ---------------------------------------------------------------------------------------------
 
-LOSSES: dict[str, Callable[..., LossOutput]] = {
-    "reverse_kl_pg": reverse_kl_pg_loss,
-    "reverse_kl": reverse_kl_loss,
-    "jsd": generalized_jsd_loss,
-    "drgrpo": policy_gradient_loss,
-}
-
-
 @dataclass(frozen=True)
 class TokenScores:
     """One batch of sampled completions as the losses see it: both models' next-token logits
@@ -561,14 +553,17 @@ class LossInputs:
     options: Mapping[str, str] = field(default_factory=dict)
 
 
-# What each loss consumes: per-token log-probs [B, T] or full logits [B, T, V] of both models,
-# or the task's rewards (the RL baseline: the teacher is then only measured, never learned from).
-LOSS_INPUTS: dict[str, LossInputs] = {
-    "reverse_kl_pg": LossInputs(TokenScores.logprobs, {"discount": "discount"}),
-    "reverse_kl": LossInputs(TokenScores.logits),
-    "jsd": LossInputs(TokenScores.logits, {"beta": "jsd_beta"}),
-    "drgrpo": LossInputs(TokenScores.rewards),
+# Every loss by its config name, with what it consumes: per-token log-probs [B, T] or full
+# logits [B, T, V] of both models, or the task's rewards (the RL baseline: the teacher is then
+# only measured, never learned from).
+_REGISTRY: dict[str, tuple[Callable[..., LossOutput], LossInputs]] = {
+    "reverse_kl_pg": (reverse_kl_pg_loss, LossInputs(TokenScores.logprobs, {"discount": "discount"})),
+    "reverse_kl": (reverse_kl_loss, LossInputs(TokenScores.logits)),
+    "jsd": (generalized_jsd_loss, LossInputs(TokenScores.logits, {"beta": "jsd_beta"})),
+    "drgrpo": (policy_gradient_loss, LossInputs(TokenScores.rewards)),
 }
+LOSSES: dict[str, Callable[..., LossOutput]] = {k: fn for k, (fn, _) in _REGISTRY.items()}
+LOSS_INPUTS: dict[str, LossInputs] = {k: inputs for k, (_, inputs) in _REGISTRY.items()}
 
 
 def compute_loss(name: str, scores: TokenScores, *, num_tokens: NumTokens = None,

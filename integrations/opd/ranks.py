@@ -69,9 +69,14 @@ class Ranks:
         """Give every rank rank 0's weights, whatever each rank loaded."""
         if self.world == 1:
             return
+        tensors = list(module.state_dict().values())
+        group = None
+        if dist.get_backend() == "nccl" and any(t.device.type == "cpu" for t in tensors):
+            # A model loaded to be sharded (fsdp) is still on the CPU; NCCL moves CUDA only.
+            group = dist.new_group(backend="gloo")
         with torch.no_grad():
-            for t in module.state_dict().values():
-                dist.broadcast(t, 0)
+            for t in tensors:
+                dist.broadcast(t, 0, group=group)
 
     def barrier(self) -> None:
         if self.world > 1:

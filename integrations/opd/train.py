@@ -5,7 +5,8 @@
 
 Every option is a field of ``OPDConfig``; ``--config run.yaml`` fills them from a file.
 Under ``torchrun --nproc-per-node N`` the ranks split each step's prompts, the gate and the
-eval set, and stay identical.
+eval set, and stay identical. A local start, on the models ``lookahead-opd demo`` exports, is
+``LOCAL_START`` (the end of ``--help``).
 """
 
 from __future__ import annotations
@@ -13,13 +14,27 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from ..cli_support import quiet_loading_bars
 from .config import OPDConfig, parse_config
 
-__all__ = ["build_trainer", "main"]
+__all__ = ["build_trainer", "main", "LOCAL_START"]
 
-def build_trainer(config: OPDConfig):
-    """Validate, then load the models, the task and the engine, and return an ``OPDTrainer``."""
-    config.validate()  # before any model loads
+# Measured in benchmarks/results/local_start.md. The paper's defaults (reverse_kl_pg, lr 1e-6)
+# barely move this tiny student; the full-vocabulary KL at lr 1e-3 and 256 prompts does.
+LOCAL_START = """\
+a local start, on the models `lookahead-opd demo` copies to runs/demo/models:
+  lookahead-opd train --student runs/demo/models/student --teacher runs/demo/models/teacher \\
+      --loss reverse_kl --learning_rate 1e-3 --warmup_steps 4 --batch_size 256 \\
+      --max_steps 200 --eval_every 50 --output_dir runs/train
+  (greedy accuracy 29.5% -> 54.5% in 200 steps; about a minute of one CPU core)
+running it again: --resume continues from the newest checkpoint that loads;
+--overwrite_output_dir deletes the earlier run's metrics and checkpoints and starts over"""
+
+def build_trainer(config: OPDConfig, *, validate: bool = True):
+    """Validate (unless the caller just did), then load the models, the task and the engine,
+    and return an ``OPDTrainer``."""
+    if validate:
+        config.validate()  # before any model loads
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,16 +43,27 @@ def build_trainer(config: OPDConfig):
     from .trainer import OPDTrainer
 
     _init_distributed(config)
+    if config.fsdp:
+        from .sharding import require_process_group
+
+        require_process_group()  # before any model loads
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)  # validated: float32 | bfloat16 | float16
     task = load_task(config.task)
     tokenizer = AutoTokenizer.from_pretrained(config.student)
     if tokenizer.pad_token is None:  # decoder-only LMs often have none; batching needs one
         tokenizer.pad_token = tokenizer.eos_token
-    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
-    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype).to(config.device)
+    # With --fsdp a model to be sharded stays on the CPU: OPDTrainer shards it onto the device
+    # one block at a time, so no GPU ever holds the full model.
+    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype)
+    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+    if not config.fsdp:
+        student = student.to(config.device)
+    if not (config.fsdp and config.fsdp_teacher == "shard"):
+        teacher = teacher.to(config.device)
     if config.engine == "vllm":
-        engine = make_engine("vllm", config.student, tokenizer, dtype=config.dtype, seed=config.seed,
+        engine = make_engine("vllm", config.student, tokenizer,
+                             dtype=config.vllm_dtype or config.dtype, seed=config.seed,
                              gpu_memory_utilization=config.vllm_gpu_memory_utilization)
     else:
         engine = make_engine("hf", student, tokenizer)
@@ -45,14 +71,16 @@ def build_trainer(config: OPDConfig):
 
 
 def _init_distributed(config: OPDConfig) -> None:
-    """Under ``torchrun`` (WORLD_SIZE > 1) join the process group: gloo on CPU, nccl on CUDA,
-    one device per local rank. ``OPDTrainer`` then splits the work over the ranks."""
+    """Under ``torchrun`` (WORLD_SIZE > 1, or any WORLD_SIZE with ``--fsdp``) join the process
+    group: gloo on CPU, nccl on CUDA, one device per local rank. ``OPDTrainer`` then splits the
+    work over the ranks."""
     import os
 
     import torch
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    world = os.environ.get("WORLD_SIZE")
+    if world is None or (int(world) <= 1 and not config.fsdp) or dist.is_initialized():
         return
     if config.device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,13 +92,20 @@ def _init_distributed(config: OPDConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        config = parse_config(argv)
-        trainer = build_trainer(config)
-    except ValueError as err:  # bad input: one clear line, nothing loaded
+    try:  # bad input: one clear line and status 2, before any model loads where it can be
+        config = parse_config(argv, epilog=LOCAL_START)
+        config.validate()  # before the process settings below and any model
+        if config.threads is not None:  # the command's choice, for the whole process
+            import torch
+
+            torch.set_num_threads(config.threads)
+        if not config.progress:
+            quiet_loading_bars()
+        trainer = build_trainer(config, validate=False)
+    except ValueError as err:
         print(f"lookahead-opd train: {err}", file=sys.stderr)
         return 2
-    result = trainer.train()
+    result = trainer.train()  # a failure while training keeps its traceback
     final = result.evals[-1][1] if result.evals else float("nan")
     if trainer.rank == 0:
         print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "

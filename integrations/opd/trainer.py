@@ -10,7 +10,8 @@ One optimizer step (``train_step``) is rollout → score → update:
   3. update: clip, ``optimizer.step()`` — which, when ``extrapolate=True``, is an
      ``ExtrapolatingOptimizer`` whose gate generates through the same engine.
 ``train()`` then logs a JSON line (``metrics.py``), evaluates and checkpoints
-(``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``).
+(``checkpoint.py``) on schedule. Under torchrun the ranks split the prompts (``ranks.py``);
+with ``fsdp`` they also shard the student (``sharding.py``).
 Every generation goes through ``synced_engine``, the one place the student's weights reach
 the engine.
 """
@@ -31,15 +32,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from lookahead_opd import ExtrapolatingOptimizer
+from lookahead_opd import ExtrapolatingOptimizer, Summary
+from lookahead_opd.distributed import resharding
 
-from .checkpoint import latest_checkpoint, read_checkpoint, write_checkpoint
+from .checkpoint import (
+    clear_earlier_run,
+    latest_checkpoint,
+    read_checkpoint,
+    read_newest_checkpoint,
+    read_sharded_checkpoint,
+    set_aside,
+    write_checkpoint,
+    write_sharded_checkpoint,
+)
 from .config import OPDConfig
 from .engines import Engine, Rollout
 from .losses import compute_loss, group_advantages, reverse_kl_loss
 from .metrics import MetricsLog
 from .ranks import Ranks
 from .scoring import greedy_accuracy, score_tokens
+from .sharding import require_process_group, shard
 from .tasks import Problem, Task
 from .vocab import check_vocab_compatible
 
@@ -50,11 +62,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What ``train()`` returns: per-step metric dicts and the eval points (step, accuracy)."""
+    """What ``train()`` returns: per-step metric dicts, the eval points (step, accuracy), the
+    searches, and with ``extrapolate`` what they bought (``ExtrapolatingOptimizer.summary``)."""
 
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
     jumps: list[dict[str, Any]] = field(default_factory=list)
+    summary: Summary | None = None
 
 
 class OPDTrainer:
@@ -95,7 +109,16 @@ class OPDTrainer:
         self.rank, self.world = self.ranks.rank, self.ranks.world
         self.gate_problems = self.ranks.shard(task.problems("gate", config.gate_size, seed=config.seed))
         self.eval_problems = self.ranks.shard(task.problems("test", config.eval_size, seed=config.seed))
+        if config.fsdp:
+            self._check_fsdp()
         self.ranks.broadcast_weights(student)
+        if config.fsdp:
+            # Sharded after the broadcast, so every rank's shards come from rank 0's weights.
+            shard(student, train=True, mixed_precision=config.fsdp_mixed_precision,
+                  device=config.device)
+            if config.fsdp_teacher == "shard":
+                shard(teacher, train=False, mixed_precision=config.fsdp_mixed_precision,
+                      device=config.device)
 
         teacher.requires_grad_(False).eval()
         student.train()
@@ -118,6 +141,18 @@ class OPDTrainer:
                                       run_config=config.to_dict(), enabled=self.ranks.is_main)
 
     # ------------------------------------------------------------------ setup
+    def _check_fsdp(self) -> None:
+        """``fsdp=True`` needs torchrun's process group, and every rank must run as many
+        micro-batches as the others (each forward and backward of a sharded model is a
+        collective)."""
+        c = self.config
+        require_process_group()
+        if c.batch_size * c.num_samples % (self.world * c.gradient_accumulation_steps):
+            raise ValueError(
+                f"fsdp: batch_size*num_samples ({c.batch_size * c.num_samples}) must be divisible "
+                f"by world size * gradient_accumulation_steps ({self.world} * "
+                f"{c.gradient_accumulation_steps}), so every rank runs as many micro-batches")
+
     def _build_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         params = [p for p in self.student.parameters() if p.requires_grad]
@@ -133,6 +168,8 @@ class OPDTrainer:
         # gate="none": a score that rises at every call, so every candidate is kept (the fixed,
         # ungated jump of ExPO / AlphaRL-style baselines); it costs no evaluation.
         gate = self._timed_gate if c.gate != "none" else itertools.count().__next__
+        if c.fsdp:  # each candidate is written into the shards: the next forward must gather them
+            gate = resharding(self.student, gate)
         return ExtrapolatingOptimizer(base, gate, mode="max",
                                       params=c.extrapolation_params(self.student),
                                       **c.extrapolation_options())
@@ -279,13 +316,14 @@ class OPDTrainer:
             for k, v in out.metrics.items():
                 if k != "num_tokens":
                     sums[k] = sums.get(k, 0.0) + v * n
-        self.ranks.sum_grads(self.student.parameters())
+        if not c.fsdp:  # FSDP has reduce-scattered (summed) the gradients in backward
+            self.ranks.sum_grads(self.student.parameters())
         loss_total, reward_sum, reward_n, *summed = self.ranks.sum(
             [loss_total, float(rewards.sum()), rewards.numel(), *sums.values()])
         grad_norm = None
         if c.max_grad_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.student.parameters(),
-                                                             c.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.student.parameters(), c.max_grad_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         return {
             "loss": loss_total,
             **{k: v / max(total_tokens, 1) for k, v in zip(sums, summed, strict=True)},
@@ -319,6 +357,9 @@ class OPDTrainer:
     def train(self) -> TrainResult:
         """Train to ``max_steps`` (or ``stop_at_accuracy``), resuming first when asked."""
         c = self.config
+        if c.overwrite_output_dir and not c.resume and self.ranks.is_main:
+            clear_earlier_run(self.output_dir)
+        self.ranks.barrier()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if c.resume:
             if not self.load_checkpoint():
@@ -352,6 +393,10 @@ class OPDTrainer:
         finally:
             bar.close()
             self.metrics_log.flush()
+        if isinstance(self.optimizer, ExtrapolatingOptimizer):
+            result.summary = self.optimizer.summary()
+            if self.ranks.is_main:
+                logger.info("extrapolation: %s", result.summary)
         return result
 
     def _log(self, m: dict[str, Any], result: TrainResult) -> None:
@@ -364,43 +409,78 @@ class OPDTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoint-<step>`` atomically and point ``latest`` at it (rank 0 writes,
-        the weights and optimizer state being the same on every rank)."""
+        """Write ``checkpoint-<step>`` atomically and point ``latest`` at it. Replicated, rank
+        0 writes (the weights and optimizer state are the same on every rank); sharded
+        (``fsdp``), every rank writes its shards and its own state."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        state = {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "train_seconds": self.train_seconds,
+            "gate_evals": self.gate_evals,
+            "gate_seconds": self.gate_seconds,
+        }
+        if self.config.fsdp:
+            extrapolator = getattr(self.optimizer, "extrapolator", None)
+            rank_state = {  # this rank's: anchor shards, gate-set slice, RNG
+                "extrapolator": None if extrapolator is None else extrapolator.state_dict(),
+                "gate_sequences": self._gate_sequences,
+                "rng": rng,
+            }
+            return write_sharded_checkpoint(
+                self.output_dir, self.step, model=self.student,
+                optimizer=getattr(self.optimizer, "base", self.optimizer), state=state,
+                rank_state=rank_state, ranks=self.ranks, tokenizer=self.tokenizer,
+                config=self.config)
         final = self.output_dir / f"checkpoint-{self.step}"
         if self.ranks.is_main:
-            state = {
-                "step": self.step,
+            state.update({
                 "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "train_seconds": self.train_seconds,
-                "gate_evals": self.gate_evals,
-                "gate_seconds": self.gate_seconds,
                 "gate_sequences": self._gate_sequences,
                 "ema": None if self.ema is None else self.ema.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            }
+                "rng": rng,
+            })
             write_checkpoint(self.output_dir, self.step, model=self.student,
                              tokenizer=self.tokenizer, state=state, config=self.config)
         self.ranks.barrier()
         return final
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
-        """Load ``path`` (default: the one ``latest`` names); False if there is none."""
-        path = latest_checkpoint(self.output_dir) if path is None else Path(path)
-        if path is None:
-            return False
-        state = read_checkpoint(path, self.student)
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load ``path`` (default: the newest checkpoint in ``output_dir`` that loads, damaged
+        newer ones set aside with a warning; for a sharded student, the one ``latest`` names);
+        False if there is none."""
+        if self.config.fsdp:
+            path = latest_checkpoint(self.output_dir) if path is None else Path(path)
+            if path is None:
+                return False
+            state, mine = read_sharded_checkpoint(
+                path, self.student, getattr(self.optimizer, "base", self.optimizer), self.ranks)
+            extrapolator = getattr(self.optimizer, "extrapolator", None)
+            if extrapolator is not None and mine["extrapolator"] is not None:
+                extrapolator.load_state_dict(mine["extrapolator"])
+            self._gate_sequences, rng = mine["gate_sequences"], mine["rng"]
+        else:
+            if path is not None:
+                state = read_checkpoint(Path(path), self.student)
+            else:
+                found, state, damaged = read_newest_checkpoint(self.output_dir, self.student)
+                self.ranks.barrier()  # every rank has read before rank 0 renames
+                if self.ranks.is_main:
+                    set_aside(damaged, found)
+                if state is None:
+                    return False
+            self.optimizer.load_state_dict(state["optimizer"])
+            # The saved gate rollouts are rank 0's slice; other ranks sample theirs again.
+            self._gate_sequences = state["gate_sequences"] if self.ranks.is_main else None
+            if self.ema is not None and state.get("ema") is not None:
+                self.ema.load_state_dict(state["ema"])
+            rng = state["rng"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.train_seconds = state["train_seconds"]
         self.gate_evals, self.gate_seconds = state["gate_evals"], state["gate_seconds"]
-        # The saved gate rollouts are rank 0's slice; other ranks sample theirs again.
-        self._gate_sequences = state["gate_sequences"] if self.ranks.is_main else None
-        if self.ema is not None and state.get("ema") is not None:
-            self.ema.load_state_dict(state["ema"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
         return True
 
 

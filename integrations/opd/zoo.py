@@ -45,7 +45,7 @@ from .tasks import SPLITS, Problem, Task, load_task
 from .tokenizer import char_tokenizer
 
 __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "context_length", "make_model", "pretrain", "greedy_accuracy",
-           "build_pair", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
+           "build_pair", "remove_stale_builds", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
            "TEACHER_MIN", "RL_BASE_RANGE", "RL_MIN_GAIN", "RL_MAX_DISTANCE_RATIO", "RL_SETTINGS"]
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def context_length(task: Task) -> int:
     """The zoo models' context for ``task``: 64 positions (every short task's), else the longest
     ``<bos> prompt completion`` rounded up to a multiple of 64. Rotary position embeddings have
     no learned table, so the context changes no weight, only what vLLM will accept."""
-    longest = 1 + max(len(p.prompt) for s in ("train", "gate", "test") for p in task.all_problems(s))
+    longest = 1 + max(len(p.prompt) for s in SPLITS for p in task.all_problems(s))
     need = longest + task.max_new_tokens
     return 64 * max(1, -(-need // 64))
 
@@ -305,13 +305,14 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
         extra["strict"] = False
     key = _key(task=task_spec, size=size, regime=teacher_regime, seed=seed, max_steps=max_steps, **extra)
     root = cache_root(cache_dir)
+    remove_stale_builds(root)
     name = f"{task.name}-{size}-{teacher_regime}-seed{seed}-{key}"
     final = root / name
     if (final / "build.json").is_file():
         return _load_pair(final)
 
     root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    work = Path(tempfile.mkdtemp(prefix=f".{name}{_TMP}{os.getpid()}-", dir=root))
     try:
         builder = _Builder(work, task, task_spec, size, seed, progress, max_steps)
         if teacher_regime == "rl":
@@ -334,6 +335,38 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return _load_pair(final)
+
+
+_TMP = ".tmp-"  # a build in progress: .<name>.tmp-<pid>-<random>
+STALE_SECONDS = 3600
+
+
+def remove_stale_builds(root: Path, *, max_age: float = STALE_SECONDS) -> list[Path]:
+    """Remove the work folders of builds that were killed (SIGTERM/SIGKILL skip the cleanup):
+    those whose process is gone, or untouched for ``max_age`` seconds (a folder without a pid,
+    or a pid now reused). Returns what was removed."""
+    removed = []
+    for work in root.glob(f".*{_TMP}*") if root.is_dir() else ():
+        # The pid is absent from folders of older versions (".tmp-<random>", no second "-").
+        pid, has_pid, _ = work.name.rsplit(_TMP, 1)[1].partition("-")
+        try:
+            age = time.time() - max(p.stat().st_mtime for p in (work, *work.rglob("*")))
+        except FileNotFoundError:  # finished or removed meanwhile
+            continue
+        if age > max_age or (has_pid and pid.isdigit() and not _process_alive(int(pid))):
+            shutil.rmtree(work, ignore_errors=True)
+            removed.append(work)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def _load_pair(path: Path) -> ZooPair:
@@ -391,16 +424,24 @@ class _Builder:
                            stop=lambda m: self.acc(m, self.task, probe) >= target)
         return model, steps
 
+    def student(self, target: float, accuracy_range: tuple[float, float], what: str,
+                hint: str = "") -> tuple[nn.Module, int, float]:
+        """The base trained to ``target`` (``base``), checked to land in ``accuracy_range``
+        and saved as the pair's student: (model, steps, accuracy)."""
+        base, steps = self.base(target)
+        acc = self.acc(base, self.task)
+        lo, hi = accuracy_range
+        self.check(lo <= acc <= hi, f"{what} accuracy {acc:.1%} after {steps} steps is outside "
+                   f"[{lo:.0%}, {hi:.0%}]{hint}")
+        self.save(base, "student")
+        return base, steps, acc
+
     # ------------------------------------------------------------------ regimes
     def sft(self, regime: str) -> dict[str, Any]:
         """``same-base``: the base trained further on gold text; ``independent``: a separately
         initialised model trained to the same bar."""
-        base, base_steps = self.base(SFT_BASE_TARGET)
-        base_acc = self.acc(base, self.task)
-        lo, hi = BASE_RANGE
-        self.check(lo <= base_acc <= hi, f"base accuracy {base_acc:.1%} after {base_steps} steps "
-                   f"is outside [{lo:.0%}, {hi:.0%}]; try another seed or size")
-        self.save(base, "student")
+        base, base_steps, base_acc = self.student(SFT_BASE_TARGET, BASE_RANGE, "base",
+                                                  "; try another seed or size")
         if regime == "same-base":
             teacher, teacher_seed = base, self.seed + 1  # fresh data order, the base's weights
             base = copy.deepcopy(base)
@@ -428,12 +469,7 @@ class _Builder:
         """The base (≥35%) plus Dr. GRPO on the task's reward; rejection-sampling fine-tuning
         on the base's own correct samples when Dr. GRPO fails the rule (``rl_rejections``).
         Each candidate is measured against an SFT teacher of equal accuracy."""
-        base, base_steps = self.base(RL_BASE_TARGET)
-        base_acc = self.acc(base, self.task)
-        lo, hi = RL_BASE_RANGE
-        self.check(lo <= base_acc <= hi, f"rl base accuracy {base_acc:.1%} after {base_steps} "
-                   f"steps is outside [{lo:.0%}, {hi:.0%}]")
-        self.save(base, "student")
+        base, base_steps, base_acc = self.student(RL_BASE_TARGET, RL_BASE_RANGE, "rl base")
         target = min(base_acc + RL_TARGET_GAIN, 0.99)
         attempts: list[dict[str, Any]] = []
         for method in ("drgrpo", "rft"):

@@ -16,12 +16,19 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
+from lookahead_opd.integrations.opd.tasks import SPLITS
 
-from lookahead_opd.options import check_choice, option
+from lookahead_opd.options import check_fields, option
 
-__all__ = ["DiagnoseConfig", "parse_config", "run", "main"]
+from .nodes import SPACINGS
+from .report import METRICS
+from .scores import DISTILL_LOSSES
+from .teachers import SELF_CONTEXTS
+
+__all__ = ["DiagnoseConfig", "parse_config", "prepare", "run", "main"]
 
 
 @dataclass
@@ -29,39 +36,42 @@ class DiagnoseConfig:
     """Options of ``lookahead-opd diagnose`` (see ``diagnose()`` for what each one does)."""
 
     student: str = option("", "student: a Hugging Face causal LM id or local directory")
-    teacher: list[str] = option([], "teacher(s): model id/directory or self:solution|answer|example; "
-                                  "repeat the flag or give several")
+    teacher: list[str] = option([], "teacher(s): model id/directory or "
+                                f"self:{'|'.join(SELF_CONTEXTS)}; repeat the flag or give several")
     task: str = option("arithmetic",
                      "task spec: arithmetic[:key=value,...], gsm8k:path=FILE, module:Class")
     questions: int = option(32, "questions to roll the student out on")
     budget: int = option(20_000, "total continuation rollouts (never exceeded)")
     output_dir: str = option("runs/diagnose", "report.json, nodes.jsonl/parquet, plots, report.html")
-    split: str = option("test", "task split the questions come from")
+    split: str = option("test", "task split the questions come from", choices=SPLITS)
     samples_per_question: int = option(2, "student rollouts per question")
     top_k: int = option(4, "candidates per node: the student's top-K plus the sampled token")
     continuations: int = option(8, "student continuations per candidate (estimates P_succ)")
-    loss: str = option("reverse_kl", "distillation loss whose gradient is scored: reverse_kl | "
-                                   "forward_kl | jsd")
+    loss: str = option("reverse_kl", "distillation loss whose gradient is scored",
+                       choices=DISTILL_LOSSES)
     jsd_beta: float = option(0.5, "jsd: 0 = forward KL, 1 = reverse KL (TRL convention)")
     temperature: float = option(1.0, "the student's sampling temperature (rollouts and p)")
     max_new_tokens: int | None = option(None, "completion length limit (default: the task's)")
-    spacing: str = option("exponential", "node depths: exponential (1, 2, 4, …) | all")
+    spacing: str = option("exponential", "node depths (exponential: 1, 2, 4, …)", choices=SPACINGS)
     context_separator: str = option(" ", "text between a self-teacher's context and the prompt")
-    rank_by: str = option("alignment", "alignment | advantage | reverse_kl | js | topk_overlap | "
-                                     "teacher_mass_topk")
+    rank_by: str = option("alignment", "the metric teachers are ranked by", choices=METRICS)
     resamples: int = option(1000, "bootstrap resamples for the confidence intervals")
     seed: int = option(0, "seed of the questions, rollouts and bootstrap")
-    dtype: str = option("float32", f"model dtype: {' | '.join(DTYPES)}")
+    dtype: str = option("float32", "model dtype", choices=DTYPES)
     device: str = option("cpu", "torch device of the student and teachers")
     batch_size: int = option(256, "rows per generate call of the engine")
-    plots: bool = option(True, "write the plots and report.html")
-    progress: bool = option(True, "show progress bars")
+    plots: bool = option(True, "write the plots and report.html",
+                         negated_help="skip the plots and report.html (report.json and the nodes "
+                                      "are still written)")
+    progress: bool = option(True, "show progress bars",
+                            negated_help="no progress bars (rollouts, and model loading and "
+                                         "writing)")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
-        from lookahead_opd.integrations.opd.config import _check_model_ref
-        from lookahead_opd.integrations.opd.tasks import SPLITS, load_task
+        from lookahead_opd.integrations.opd.tasks import load_task
 
+        from ..cli_support import check_device, check_model_ref, check_output_dir
         from .diagnose import check_options
         from .teachers import parse_teacher_spec
 
@@ -69,28 +79,29 @@ class DiagnoseConfig:
                       samples_per_question=self.samples_per_question, top_k=self.top_k,
                       continuations=self.continuations, loss=self.loss, jsd_beta=self.jsd_beta,
                       temperature=self.temperature, spacing=self.spacing, rank_by=self.rank_by)
-        check_choice("dtype", self.dtype, DTYPES)
+        check_fields(self)
+        check_device(self.device)
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not self.teacher:
-            raise ValueError(
-                "give at least one --teacher (a model or self:solution|answer|example)")
+            raise ValueError(f"give at least one --teacher (a model or "
+                             f"self:{'|'.join(SELF_CONTEXTS)})")
         if len(set(self.teacher)) != len(self.teacher):
             raise ValueError(f"--teacher values must be distinct, got {self.teacher}")
         specs = [parse_teacher_spec(t) for t in self.teacher]
         task = load_task(self.task)
-        check_choice("split", self.split, SPLITS)
         pool = task.all_problems(self.split)
         if not pool:
             raise ValueError(
                 f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
         if check_paths:
-            _check_model_ref("student", self.student)
+            check_output_dir(self.output_dir)
+            check_model_ref("student", self.student)
             for s in specs:
                 if s.kind == "model":
-                    _check_model_ref("teacher", s.path)
+                    check_model_ref("teacher", s.path)
 
 
 def _merge_repeated(args: list[str], flag: str) -> list[str]:
@@ -114,23 +125,19 @@ def parse_config(argv: Sequence[str] | None = None) -> DiagnoseConfig:
     return parse_dataclass(DiagnoseConfig, args, prog="lookahead-opd diagnose")
 
 
-def run(config: DiagnoseConfig):
-    """Validate, check every teacher's tokenizer, load the models, diagnose, save. Returns the
-    ``DiagnosticReport``."""
+def prepare(config: DiagnoseConfig):
+    """Validate and check every teacher's tokenizer against the student's (tokenizers are
+    cheap: all are checked before any weights load). Returns the student's tokenizer."""
     config.validate()
-    import torch
-    from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from .diagnose import diagnose
     from .teachers import parse_teacher_spec
 
     tokenizer = AutoTokenizer.from_pretrained(config.student)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    for t in config.teacher:  # tokenizers are cheap: check them all before any weights load
+    for t in config.teacher:
         spec = parse_teacher_spec(t)
         if spec.kind == "model":
             try:
@@ -138,6 +145,21 @@ def run(config: DiagnoseConfig):
             except (OSError, ValueError) as err:
                 raise ValueError(
                     f"teacher {t!r} does not share the student's tokenizer: {err}") from None
+    return tokenizer
+
+
+def run(config: DiagnoseConfig, tokenizer: Any = None):
+    """``prepare`` (unless its ``tokenizer`` is given), load the student, diagnose, save.
+    Returns the ``DiagnosticReport``."""
+    import torch
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from transformers import AutoModelForCausalLM
+
+    from .diagnose import diagnose
+
+    if tokenizer is None:
+        tokenizer = prepare(config)
     dtype = getattr(torch, config.dtype)
     student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
     engine = HFEngine(student, tokenizer, batch_size=config.batch_size)
@@ -156,12 +178,17 @@ def run(config: DiagnoseConfig):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    from ..cli_support import quiet_loading_bars
+
+    try:  # bad input: one clear line and status 2, before any weights load
         config = parse_config(argv)
-        report = run(config)
-    except ValueError as err:  # bad input: one clear line
+        if not config.progress:
+            quiet_loading_bars()
+        tokenizer = prepare(config)
+    except ValueError as err:
         print(f"lookahead-opd diagnose: {err}", file=sys.stderr)
         return 2
+    report = run(config, tokenizer)  # a failure while diagnosing keeps its traceback
     print(report.table())
     print(f"\nreport: {Path(config.output_dir) / 'report.html'} (and report.json, nodes.jsonl)")
     return 0

@@ -26,6 +26,8 @@ from lookahead_opd.integrations.opd.tasks import Problem, Task
 from lookahead_opd.integrations.opd.vocab import align_vocab, check_vocab_compatible
 from torch import nn
 
+from lookahead_opd.options import check_choice
+
 from . import scores
 from .nodes import SPACINGS, Node, candidate_set, node_cost, node_depths, plan_nodes
 from .report import METRICS, DiagnosticReport
@@ -56,17 +58,14 @@ def check_options(*, budget: int, questions: int, samples_per_question: int, top
             raise ValueError(f"{name} must be >= 1, got {value}")
     if top_k < 2:
         raise ValueError(f"top_k must be >= 2 (a node compares candidates), got {top_k}")
-    if loss not in scores.DISTILL_LOSSES:
-        raise ValueError(f"loss must be one of {', '.join(scores.DISTILL_LOSSES)}; got {loss!r}")
+    check_choice("loss", loss, scores.DISTILL_LOSSES)
     if not 0.0 <= jsd_beta <= 1.0:
         raise ValueError(f"jsd_beta must be in [0, 1], got {jsd_beta}")
     if not temperature > 0:
         raise ValueError(
             f"temperature must be > 0 (the student's sampling policy), got {temperature}")
-    if spacing not in SPACINGS:
-        raise ValueError(f"spacing must be one of {', '.join(SPACINGS)}; got {spacing!r}")
-    if rank_by not in METRICS:
-        raise ValueError(f"rank_by must be one of {', '.join(METRICS)}; got {rank_by!r}")
+    check_choice("spacing", spacing, SPACINGS)
+    check_choice("rank_by", rank_by, METRICS)
     need = min_budget(top_k, continuations)
     if budget < need:
         raise ValueError(f"budget {budget} is too small for one node: a node needs up to "

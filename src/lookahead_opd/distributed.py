@@ -13,7 +13,9 @@ a stale all-gathered copy, blind to the candidates written into the shards. Wrap
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -22,7 +24,18 @@ from torch import Tensor, nn
 
 T = TypeVar("T")
 
-__all__ = ["REDUCTIONS", "is_distributed", "reduce_score", "local_tensor", "resharding"]
+__all__ = [
+    "REDUCTIONS",
+    "ShardLayout",
+    "is_distributed",
+    "rank_and_size",
+    "reduce_score",
+    "all_reduce_sum",
+    "local_tensor",
+    "shard_layout",
+    "square_sum",
+    "resharding",
+]
 
 REDUCTIONS = ("mean", "rank0")
 
@@ -30,6 +43,13 @@ REDUCTIONS = ("mean", "rank0")
 def is_distributed(group: object | None = None) -> bool:
     """True when a process group is initialised and has more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank_and_size(group: object | None = None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` when not distributed."""
+    if not is_distributed(group):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _score_device(group: object | None) -> torch.device:
@@ -56,12 +76,74 @@ def reduce_score(score: float, how: str = "mean", group: object | None = None) -
     return float(t.item())
 
 
+def all_reduce_sum(t: Tensor, group: object | None = None) -> Tensor:
+    """``t`` summed over the ranks of ``group`` (on ``t``'s device); ``t`` itself when not
+    distributed. Every rank gets the same bits."""
+    if not is_distributed(group):
+        return t
+    buf = t.to(_score_device(group))
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(t.device)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a DTensor's local shard sits in the global tensor: the global shape, the local
+    shard's offset along each dim, and how many ranks hold this same shard (replicated mesh
+    dims)."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    replicas: int
+
+
+def shard_layout(param: Tensor) -> ShardLayout | None:
+    """The layout of a DTensor's local shard, ``None`` for a plain tensor (every rank holds
+    all of it, as under DDP)."""
+    if type(param).__name__ != "DTensor":
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = param.device_mesh, param.placements
+    _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    replicas = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_replicate())
+    return ShardLayout(tuple(param.shape), tuple(offset), replicas)
+
+
 def local_tensor(param: Tensor) -> Tensor:
     """The tensor the extrapolator reads and writes: a DTensor's local shard, else itself."""
     to_local = getattr(param, "to_local", None)
     if to_local is not None and type(param).__name__ == "DTensor":
         return to_local()
     return param
+
+
+def square_sum(params: Sequence[Tensor], local: Sequence[float]) -> float:
+    """``Σ local[i]`` where ``local[i]`` is a sum of squares over ``params[i]``'s local tensor,
+    made whole: the sums of a DTensor sharded over some mesh dimensions are added up over
+    those dimensions' ranks (collective: every rank calls it with the same parameters);
+    replicated tensors count once. Without DTensors, the plain sum."""
+    total = 0.0
+    sharded: dict[tuple[int, tuple[int, ...]], list] = {}
+    for p, v in zip(params, local, strict=True):
+        dims = tuple(d for d, pl in enumerate(getattr(p, "placements", ())) if pl.is_shard())
+        if type(p).__name__ != "DTensor" or not dims:
+            total += v
+            continue
+        entry = sharded.setdefault((id(p.device_mesh), dims), [p.device_mesh, 0.0])
+        entry[1] += v
+    for (_, dims), (mesh, v) in sharded.items():  # in parameter order: the same on every rank
+        t = torch.tensor([v], dtype=torch.float64, device=_mesh_device(mesh))
+        for d in dims:
+            dist.all_reduce(t, group=mesh.get_group(d))
+        total += float(t.item())
+    return total
+
+
+def _mesh_device(mesh: object) -> torch.device:
+    if getattr(mesh, "device_type", "cpu") == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.cuda.current_device())  # type: ignore[attr-defined]
 
 
 def _fsdp_module_type() -> type | None:

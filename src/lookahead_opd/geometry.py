@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -299,8 +299,8 @@ def subspace_alignment_per_direction(
     values are (near-)degenerate are not unique, so their cosines are unstable.
     """
     k = _check_int(k, "k", 1)
-    if side not in ("left", "right"):
-        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if side not in get_args(Side):
+        raise ValueError(f"side must be one of {get_args(Side)}, got {side!r}")
     a = _check_tensor(delta_a, "delta_a")
     b = _check_tensor(delta_b, "delta_b")
     if a.shape != b.shape:

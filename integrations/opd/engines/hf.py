@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .base import Engine, Rollout, build_rollout, check_generate_args, tokenize_prompts
@@ -22,12 +23,27 @@ class HFEngine(Engine):
     reproducible without touching the caller's global RNG.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any, *, batch_size: int = 64,
+                 synced_gpus: bool | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer needs a pad token (set tokenizer.pad_token)")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.synced_gpus = synced_gpus
+
+    @property
+    def synced(self) -> bool:
+        """Whether the ranks generate in step: ``synced_gpus``, or by default whether the model
+        is sharded with FSDP2. Every forward of a sharded model all-gathers, so every rank must
+        run as many forwards as the others: ``generate(synced_gpus=True)`` keeps a finished
+        rank stepping until all are done, and every rank runs as many batches (a rank with
+        fewer runs a discarded one)."""
+        if self.synced_gpus is not None:
+            return self.synced_gpus
+        from ..sharding import is_sharded
+
+        return is_sharded(self.model)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, num_samples: int = 1) -> Rollout:
@@ -41,15 +57,25 @@ class HFEngine(Engine):
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 if seed is not None:
                     torch.manual_seed(seed)
-                for start in range(0, len(rows), self.batch_size):
-                    c, lp = self._generate_batch(rows[start:start + self.batch_size], max_new_tokens,
-                                                 temperature, top_p)
-                    completions += c
-                    logprobs += lp
+                batches = [rows[s:s + self.batch_size] for s in range(0, len(rows), self.batch_size)]
+                for i in range(self._batches_in_step(len(batches))):
+                    c, lp = self._generate_batch(batches[min(i, len(batches) - 1)],
+                                                 max_new_tokens, temperature, top_p)
+                    if i < len(batches):
+                        completions += c
+                        logprobs += lp
         finally:
             self.model.train(was_training)
         return build_rollout(rows, completions, logprobs, pad_id=self.tokenizer.pad_token_id,
                              eos_id=self.tokenizer.eos_token_id, tokenizer=self.tokenizer)
+
+    def _batches_in_step(self, n: int) -> int:
+        """``n``, or the most batches any rank has when the ranks generate in step."""
+        if not self.synced or not dist.is_initialized():
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=next(self.model.parameters()).device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     def _generate_batch(self, rows: list[list[int]], max_new_tokens: int, temperature: float,
                         top_p: float) -> tuple[list[list[int]], list[list[float]]]:
@@ -65,6 +91,7 @@ class HFEngine(Engine):
         out = self.model.generate(
             input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens,
             pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id, use_cache=True,
+            synced_gpus=self.synced,
             output_scores=True, return_dict_in_generate=True, **kwargs)
         new = out.sequences[:, p_len:]
         # scores[t] are the processed logits of step t: temperature and top-p applied.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from .base import Engine, Rollout, build_rollout, check_generate_args, tokenize_
 __all__ = ["VLLMEngine"]
 
 
-def _push_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+def _push_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Runs on each vLLM worker: load ``weights`` (Hugging Face names) into its model.
 
     ``reload_weights`` (vLLM >= 0.11) restores each layer's checkpoint-format parameters, loads
@@ -62,6 +62,21 @@ def _reprocess_shared_weights(model: torch.nn.Module) -> None:
             process = getattr(method, "process_weights_after_loading", None)
             if callable(process) and hasattr(method, "embedding"):  # embedding-style only
                 process(module)
+
+
+def _weights_to_push(model_or_state_dict: Any
+                     ) -> tuple[set[str], Iterable[tuple[str, torch.Tensor]]]:
+    """The names pushed, and the ``(name, tensor)`` pairs. A module sharded with FSDP2
+    (``--fsdp``) is gathered lazily, one block at a time while vLLM loads it, so no rank holds
+    a second full copy of the student (every rank pushes at the same points: each block is
+    an all-gather)."""
+    from ..sharding import gathered_weights, is_sharded
+
+    if isinstance(model_or_state_dict, torch.nn.Module) and is_sharded(model_or_state_dict):
+        names = {name for name, _ in model_or_state_dict.named_parameters()}
+        return names, gathered_weights(model_or_state_dict)
+    weights = _named_weights(model_or_state_dict)
+    return {name for name, _ in weights}, weights
 
 
 def _named_weights(model_or_state_dict: Any) -> list[tuple[str, torch.Tensor]]:
@@ -176,10 +191,12 @@ class VLLMEngine(Engine):
         """Load the student's weights (a module, or a full state dict with Hugging Face names)
         into vLLM's model, then drop the prefix cache: its KV blocks belong to the old weights.
         Every weight must be given (checked against the checkpoint's names when ``model_path``
-        is a local directory). While asleep the push is deferred to ``wake_up``."""
-        weights = _named_weights(model_or_state_dict)
+        is a local directory). A module sharded with FSDP2 is gathered block by block as vLLM
+        loads it (collective: every rank pushes). While asleep the push is deferred to
+        ``wake_up``."""
+        names, weights = _weights_to_push(model_or_state_dict)
         if self._expected_names is not None:
-            missing = self._expected_names - {name for name, _ in weights}
+            missing = self._expected_names - names
             if missing:
                 raise ValueError(
                     f"push_weights needs every weight of the model (vLLM reloads whole layers "
@@ -191,7 +208,7 @@ class VLLMEngine(Engine):
             return
         self._push(weights)
 
-    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def _push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         start = time.perf_counter()
         self.llm.collective_rpc(_push_on_worker, args=(weights,))
         self.llm.reset_prefix_cache()
@@ -221,7 +238,7 @@ class VLLMEngine(Engine):
         repush = self._pending_push or self._sleep_level == 2
         self._sleep_level, self._pending_push = None, False
         if repush and self._source is not None:
-            self._push(_named_weights(self._source))
+            self._push(_weights_to_push(self._source)[1])
         else:
             self.llm.reset_prefix_cache()
 
