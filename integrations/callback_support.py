@@ -11,13 +11,13 @@ from typing import Any
 
 from torch import nn
 
-from lookahead_opd import ExtrapolationOptions, Extrapolator, JumpRecord
+from lookahead_opd import ExtrapolationOptions, Extrapolator, JumpRecord, Summary
 from lookahead_opd.extrapolator import ParamsSpec
 from lookahead_opd.selection import trainable, transformer_blocks
 from lookahead_opd.snapshot import SnapshotStore
 
 __all__ = ["LOG_PREFIX", "PARAM_SELECTORS", "RESERVED_OPTIONS", "check_extrapolator_options",
-           "param_selector", "build_extrapolator", "jump_scalars"]
+           "param_selector", "build_extrapolator", "jump_scalars", "summary_scalars"]
 
 LOG_PREFIX = "extrapolation/"
 # Options a callback sets itself: the params, the gate and the framework's optimizer.
@@ -85,6 +85,9 @@ def jump_scalars(record: JumpRecord, history: list[JumpRecord] | None = None) ->
         "direction_norm": float(record.direction_norm),
         "step": float(record.step),
     }
+    for k in ("secant_cosine", "norm_ratio"):  # None at the first search
+        if getattr(record, k) is not None:
+            logs[k] = float(getattr(record, k))
     if history is not None:
         logs["searches"] = float(len(history))
         logs["jumps"] = float(sum(r.accepted is not None for r in history))
@@ -93,3 +96,11 @@ def jump_scalars(record: JumpRecord, history: list[JumpRecord] | None = None) ->
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             logs[f"geometry/{k}"] = float(v)
     return {LOG_PREFIX + k: v for k, v in logs.items()}
+
+
+
+def summary_scalars(summary: Summary) -> dict[str, float]:
+    """``Extrapolator.summary()`` as logger scalars (``None`` dropped), keys under
+    ``LOG_PREFIX + "summary/"``."""
+    return {f"{LOG_PREFIX}summary/{k}": float(v) for k, v in summary.to_dict().items()
+            if v is not None}

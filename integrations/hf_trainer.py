@@ -41,6 +41,7 @@ from .callback_support import (
     build_extrapolator,
     check_extrapolator_options,
     param_selector,
+    summary_scalars,
 )
 from .callback_support import jump_scalars as jump_logs
 
@@ -389,6 +390,21 @@ class ExtrapolationCallback(TrainerCallback):
         # Trainer.log appended a copy of logs to log_history just before calling on_log.
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
+
+    def on_train_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Log what the searches bought (``Extrapolator.summary``) and keep it in
+        ``state.log_history``."""
+        if self.extrapolator is None:
+            return
+        summary = self.extrapolator.summary()
+        logger.info("extrapolation: %s", summary)
+        state.log_history.append({**summary_scalars(summary), "step": state.global_step})
 
     def on_save(
         self,

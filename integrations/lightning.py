@@ -41,6 +41,7 @@ from .callback_support import (
     check_extrapolator_options,
     jump_scalars,
     param_selector,
+    summary_scalars,
 )
 
 __all__ = ["LOG_PREFIX", "ExtrapolationCallback", "jump_scalars"]
@@ -148,6 +149,15 @@ class ExtrapolationCallback(Callback):
                 values = jump_scalars(record, self.extrapolator.history)
                 for lg in trainer.loggers:
                     lg.log_metrics(values, step=trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Log what the searches bought (``Extrapolator.summary``)."""
+        if self.extrapolator is None:
+            return
+        summary = self.extrapolator.summary()
+        logger.info("extrapolation: %s", summary)
+        for lg in trainer.loggers:
+            lg.log_metrics(summary_scalars(summary), step=trainer.global_step)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

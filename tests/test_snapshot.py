@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lookahead_opd import ExtrapolatingOptimizer, FullSnapshot, LowRankSnapshot
+from lookahead_opd.sketch import sketch_size
 
 
 def low_rank(m: int, n: int, r: int, seed: int) -> torch.Tensor:
@@ -171,9 +172,10 @@ def test_memory_report():
         torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, direction="averaged", offload="cpu"
     )
     n = 256 * 256 + 256
-    assert full.extrapolator.nbytes() == {"anchor": n * 4, "average": 0}
+    sketch = (sketch_size(n) + 1) * 8  # the previous direction's sketch, float64
+    assert full.extrapolator.nbytes() == {"anchor": n * 4, "average": 0, "sketch": sketch}
     assert low.extrapolator.nbytes()["anchor"] == (256 + 256) * 4 * 4 + 256 * 4
-    assert avg.extrapolator.nbytes() == {"anchor": n * 4, "average": n * 4}
+    assert avg.extrapolator.nbytes() == {"anchor": n * 4, "average": n * 4, "sketch": sketch}
 
 
 def test_log_geometry_records_the_direction_metrics():

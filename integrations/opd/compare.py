@@ -52,6 +52,7 @@ def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task:
         "train_seconds": {m["step"]: m["train_seconds"] for m in result.metrics},
         "reverse_kl": [(m["step"], m["reverse_kl"]) for m in result.metrics if "reverse_kl" in m],
         "jumps": result.jumps,
+        "summary": None if result.summary is None else result.summary.to_dict(),
         "gate_evals": trainer.gate_evals,
         "gate_seconds": trainer.gate_seconds,
         "wall_seconds": wall,

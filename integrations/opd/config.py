@@ -26,6 +26,7 @@ from lookahead_opd.options import (
 )
 from lookahead_opd.selection import transformer_blocks
 
+from ..cli_support import check_device, check_model_ref, check_output_dir
 from .losses import LOSSES
 
 __all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "with_defaults"]
@@ -101,7 +102,10 @@ class OPDConfig(EffOPDOptions):
     eval_every: int = option(10, "evaluate greedy accuracy every N steps (0: only at the end)", minimum=0)
     eval_size: int = option(200, "problems in the held-out eval set", minimum=1)
     save_every: int = option(0, "checkpoint every N steps (0: only at the end)", minimum=0)
-    resume: bool = option(False, "continue from output_dir's checkpoint")
+    resume: bool = option(False, "continue from output_dir's newest checkpoint that loads (a "
+                          "damaged one is set aside as corrupt-checkpoint-N)")
+    overwrite_output_dir: bool = option(False, "start over in an output_dir that holds an earlier "
+                                        "run: its metrics and checkpoints are deleted first")
     stop_at_accuracy: float | None = option(None, "stop once eval accuracy reaches this")
     ema_decay: float | None = option(None, "evaluate an EMA of the weights with this decay (training "
                                    "is unchanged)")
@@ -118,7 +122,13 @@ class OPDConfig(EffOPDOptions):
                                        "in; gradients are reduced in float32, shards and optimizer "
                                        "state keep --dtype", choices=_MIXED_PRECISION)
     device: str = option("cpu", "torch device for the student and teacher")
-    progress: bool = option(True, "show progress bars")
+    threads: int | None = option(1, "torch CPU threads of the command (set by the CLI, not by "
+                                 "OPDTrainer; as torchrun does, 1: on a shared 2-core machine it "
+                                 "was faster than torch's default, benchmarks/results/threads.md)",
+                                 minimum=1)
+    progress: bool = option(True, "show progress bars",
+                            negated_help="no progress bars (training, and model loading and "
+                                         "writing)")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded."""
@@ -152,12 +162,28 @@ class OPDConfig(EffOPDOptions):
                 f"batch_size*num_samples ({self.batch_size * self.num_samples}) must be divisible "
                 f"by gradient_accumulation_steps ({self.gradient_accumulation_steps})"
             )
+        check_device(self.device)
         from .tasks import load_task
 
         load_task(self.task)  # unknown tasks and bad options fail here, before any model
         if check_paths:
+            check_output_dir(self.output_dir)
+            self._check_earlier_run()
             for role in ("student", "teacher"):
-                _check_model_ref(role, getattr(self, role))
+                check_model_ref(role, getattr(self, role))
+
+    def _check_earlier_run(self) -> None:
+        """Refuse to overwrite an earlier run by accident (as the HF Trainer's scripts do)."""
+        from .checkpoint import earlier_run
+
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume and overwrite_output_dir contradict each other; give one")
+        found = earlier_run(Path(self.output_dir))
+        if found and not (self.resume or self.overwrite_output_dir):
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ValueError(f"output_dir {self.output_dir} holds an earlier run ({shown}); "
+                             f"continue it with --resume, or delete it with "
+                             f"--overwrite_output_dir")
 
     def extrapolation_options(self) -> dict[str, Any]:
         """The ``ExtrapolatingOptimizer`` keyword options this config sets."""
@@ -192,20 +218,9 @@ def with_defaults(cls: type, **defaults: Any) -> type:
     return sub
 
 
-def _check_model_ref(role: str, ref: str) -> None:
-    """A local path must be a saved model; a bare ``name`` or ``org/name`` is left to the Hub."""
-    if not ref:
-        raise ValueError(f"--{role} is required (a Hugging Face model id or a local directory)")
-    path = Path(ref).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{role} directory {ref} has no config.json (not a saved HF model)")
-    elif ref.startswith((".", "/", "~")) or ref.count("/") > 1:
-        raise ValueError(f"{role} path {ref} does not exist")
-
-
-def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
-    """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win)."""
+def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None) -> OPDConfig:
+    """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win);
+    ``epilog`` ends ``--help``."""
     args = list(argv or [])
     base: dict[str, Any] = {}
     if "--config" in args:
@@ -215,27 +230,48 @@ def parse_config(argv: Sequence[str] | None = None) -> OPDConfig:
         base = _read_config_file(args[i + 1])
         del args[i : i + 2]
     return parse_dataclass(OPDConfig, args, prog="lookahead-opd train",
-                           defaults=dataclasses.asdict(OPDConfig(**base)))
+                           defaults=dataclasses.asdict(OPDConfig(**base)), epilog=epilog)
 
 
 def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
-                    defaults: dict[str, Any] | None = None) -> Any:
+                    defaults: dict[str, Any] | None = None, epilog: str | None = None) -> Any:
     """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
     field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
     fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
-    checked by the config itself, with its own messages."""
+    checked by the config itself, with its own messages. A parse error is one line (a
+    ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
+    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written."""
+    import argparse
+
     from transformers import HfArgumentParser
 
+    from lookahead_opd.cli import ArgumentParser
+
+    class Parser(ArgumentParser, HfArgumentParser):
+        pass
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
     hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     plain = dataclasses.make_dataclass(cls.__name__, [
         (f.name, hints[f.name], dataclasses.field(
             default=f.default, default_factory=f.default_factory,
             metadata={"help": f.metadata.get("help", "")}))
-        for f in dataclasses.fields(cls)])
-    parser = HfArgumentParser(plain, prog=prog)
+        for f in fields.values()])
+    parser = Parser(plain, prog=prog, epilog=epilog, formatter_class=Formatter)
     if defaults:
         parser.set_defaults(**defaults)
-    (parsed,) = parser.parse_args_into_dataclasses(args=list(args))
+    for action in parser._actions:  # HfArgumentParser gives --no_x the help of --x
+        if isinstance(action, argparse._StoreFalseAction) and action.dest in fields:
+            meta = fields[action.dest].metadata
+            action.help = meta.get("negated_help") or f"turn off: {meta.get('help', '')}"
+            action.default = argparse.SUPPRESS  # --x holds the default; no "(default: ...)"
+    parsed, rest = parser.parse_args_into_dataclasses(args=list(args),
+                                                      return_remaining_strings=True)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls)})
 
 
@@ -247,9 +283,18 @@ def _read_config_file(path: str) -> dict[str, Any]:
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise ValueError(f"config file {path} is not valid YAML{where}: {problem}") from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file {path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of option: value")
     known = {f.name for f in dataclasses.fields(OPDConfig)}

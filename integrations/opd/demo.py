@@ -18,16 +18,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lookahead_opd.options import check_choice, option
+from lookahead_opd.options import option
 
+from ..cli_support import check_output_dir, quiet_loading_bars
 from .config import OPDConfig, parse_dataclass, with_defaults
-from .zoo import TEACHER_REGIMES
+from .zoo import TEACHER_REGIMES, ZOO_SIZES
 
 __all__ = ["DemoConfig", "run_demo", "main", "format_table"]
 
@@ -49,10 +52,12 @@ class DemoConfig(_DemoDefaults):
 
     cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
                                    "~/.cache/lookahead-opd)")
-    size: str = option("tiny", "model size in the zoo")
-    teacher_regime: str = option(TEACHER_REGIMES[0], f"teacher: {' | '.join(TEACHER_REGIMES)}")
+    size: str = option("tiny", "model size in the zoo", choices=tuple(ZOO_SIZES))
+    teacher_regime: str = option(TEACHER_REGIMES[0], "teacher", choices=TEACHER_REGIMES)
     target_fraction: float = option(0.9, "target = this × teacher accuracy")
-    threads: int | None = option(None, "torch threads (default: torch's)")
+    export_dir: str | None = option(None, "copy the student and teacher here, as student/ and "
+                                    "teacher/, for `lookahead-opd train` (default: "
+                                    "<output_dir>/models)")
     quick: bool = option(False, "a smaller configuration, for CI")
 
     def apply_quick(self) -> DemoConfig:
@@ -63,6 +68,20 @@ class DemoConfig(_DemoDefaults):
                                    gate_size=min(self.gate_size, 20), eval_size=min(self.eval_size, 50),
                                    eval_every=min(self.eval_every, 2))
 
+    def validate(self, *, check_paths: bool = True) -> None:
+        """Raise ``ValueError`` naming the first bad option; nothing is built or loaded (the
+        models are the demo's own, so ``student`` and ``teacher`` are not checked)."""
+        super().validate(check_paths=False)
+        if not 0 < self.target_fraction <= 1:
+            raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
+        if check_paths:
+            check_output_dir(self.output_dir)
+            check_output_dir(str(self.models_dir()), "export_dir")
+
+    def models_dir(self) -> Path:
+        """Where the built student and teacher are copied."""
+        return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "models"
+
 
 def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
     from .compare import run_variant
@@ -72,9 +91,24 @@ def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> d
     config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
                           "student": models["student_path"], "teacher": models["teacher_path"],
                           "output_dir": str(Path(cfg.output_dir) / name),
-                          "extrapolate": extrapolate})
+                          "extrapolate": extrapolate, "resume": False,
+                          "overwrite_output_dir": True})  # each demo remakes its runs
     return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
                        models["tokenizer"], engine_batch_size=256)
+
+
+def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path, Path]:
+    """Copy the two saved models to ``export_dir``/student and /teacher (replacing an earlier
+    export): a stable place for ``lookahead-opd train``, where the cache's folder names change
+    with the build's parameters."""
+    out = []
+    for src, name in ((student, "student"), (teacher, "teacher")):
+        dst = export_dir / name
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+        out.append(dst)
+    return out[0], out[1]
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -84,15 +118,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from .zoo import build_pair
 
     cfg = cfg.apply_quick()
-    check_choice("teacher_regime", cfg.teacher_regime, TEACHER_REGIMES)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    cfg.validate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     pair = build_pair(cfg.cache_dir, task_spec=cfg.task, size=cfg.size,
                       teacher_regime=cfg.teacher_regime, seed=cfg.seed, progress=cfg.progress)
     build_seconds = time.perf_counter() - t0
+    student_dir, teacher_dir = export_models(pair.student_path, pair.teacher_path,
+                                             cfg.models_dir())
+    print(f"models: --student {student_dir} --teacher {teacher_dir} (for lookahead-opd train)",
+          flush=True)
     teacher_acc = pair.accuracies["teacher"]
     target = cfg.target_fraction * teacher_acc
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -113,7 +149,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         run["searches"] = len(run["jumps"])
     results = {
         "config": dataclasses.asdict(cfg),
-        "models": {"student": str(pair.student_path), "teacher": str(pair.teacher_path),
+        "models": {"student": str(student_dir), "teacher": str(teacher_dir),
+                   "cache": {"student": str(pair.student_path), "teacher": str(pair.teacher_path)},
                    "accuracies": pair.accuracies, "build_seconds": build_seconds},
         "teacher_accuracy": teacher_acc,
         "target_accuracy": target,
@@ -192,7 +229,18 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
+    import torch
+
+    try:  # bad input: one clear line and status 2, before anything is built or loaded
+        cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
+        cfg.validate()
+    except ValueError as err:
+        print(f"lookahead-opd demo: {err}", file=sys.stderr)
+        return 2
+    if cfg.threads is not None:  # the command's choice, for the whole process
+        torch.set_num_threads(cfg.threads)
+    if not cfg.progress:
+        quiet_loading_bars()
     results = run_demo(cfg)
     print(format_table(results))
     print(f"\nwrote {Path(cfg.output_dir) / 'results.json'} and accuracy_vs_step.png")

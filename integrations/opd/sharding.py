@@ -189,10 +189,13 @@ def _storage_nbytes(tensors: Iterable[Tensor]) -> int:
 
 def resident_nbytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """What this rank keeps between steps: parameter storages, optimizer-state tensors and,
-    for an ``ExtrapolatingOptimizer``, the extrapolator's anchor (and running average)."""
+    for an ``ExtrapolatingOptimizer``, the extrapolator's anchor (and running average), which
+    are sharded, and its secant sketch, which every rank holds whole."""
     base = getattr(optimizer, "base", optimizer)
     state = [v for s in base.state.values() for v in s.values() if isinstance(v, Tensor)]
     extrapolator = getattr(optimizer, "extrapolator", None)
-    anchor = sum(extrapolator.nbytes().values()) if extrapolator is not None else 0
+    held = extrapolator.nbytes() if extrapolator is not None else {}
     return {"parameters": _storage_nbytes(model.parameters()),
-            "optimizer": _storage_nbytes(state), "anchor": anchor}
+            "optimizer": _storage_nbytes(state),
+            "anchor": sum(v for k, v in held.items() if k != "sketch"),
+            "sketch": held.get("sketch", 0)}

@@ -32,13 +32,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from lookahead_opd import ExtrapolatingOptimizer
+from lookahead_opd import ExtrapolatingOptimizer, Summary
 from lookahead_opd.distributed import resharding
 
 from .checkpoint import (
+    clear_earlier_run,
     latest_checkpoint,
     read_checkpoint,
+    read_newest_checkpoint,
     read_sharded_checkpoint,
+    set_aside,
     write_checkpoint,
     write_sharded_checkpoint,
 )
@@ -59,11 +62,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TrainResult:
-    """What ``train()`` returns: per-step metric dicts and the eval points (step, accuracy)."""
+    """What ``train()`` returns: per-step metric dicts, the eval points (step, accuracy), the
+    searches, and with ``extrapolate`` what they bought (``ExtrapolatingOptimizer.summary``)."""
 
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
     jumps: list[dict[str, Any]] = field(default_factory=list)
+    summary: Summary | None = None
 
 
 class OPDTrainer:
@@ -352,6 +357,9 @@ class OPDTrainer:
     def train(self) -> TrainResult:
         """Train to ``max_steps`` (or ``stop_at_accuracy``), resuming first when asked."""
         c = self.config
+        if c.overwrite_output_dir and not c.resume and self.ranks.is_main:
+            clear_earlier_run(self.output_dir)
+        self.ranks.barrier()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if c.resume:
             if not self.load_checkpoint():
@@ -385,6 +393,10 @@ class OPDTrainer:
         finally:
             bar.close()
             self.metrics_log.flush()
+        if isinstance(self.optimizer, ExtrapolatingOptimizer):
+            result.summary = self.optimizer.summary()
+            if self.ranks.is_main:
+                logger.info("extrapolation: %s", result.summary)
         return result
 
     def _log(self, m: dict[str, Any], result: TrainResult) -> None:
@@ -434,11 +446,13 @@ class OPDTrainer:
         return final
 
     def load_checkpoint(self, path: str | os.PathLike | None = None) -> bool:
-        """Load ``path`` (default: the one ``latest`` names); False if there is none."""
-        path = latest_checkpoint(self.output_dir) if path is None else Path(path)
-        if path is None:
-            return False
+        """Load ``path`` (default: the newest checkpoint in ``output_dir`` that loads, damaged
+        newer ones set aside with a warning; for a sharded student, the one ``latest`` names);
+        False if there is none."""
         if self.config.fsdp:
+            path = latest_checkpoint(self.output_dir) if path is None else Path(path)
+            if path is None:
+                return False
             state, mine = read_sharded_checkpoint(
                 path, self.student, getattr(self.optimizer, "base", self.optimizer), self.ranks)
             extrapolator = getattr(self.optimizer, "extrapolator", None)
@@ -446,7 +460,15 @@ class OPDTrainer:
                 extrapolator.load_state_dict(mine["extrapolator"])
             self._gate_sequences, rng = mine["gate_sequences"], mine["rng"]
         else:
-            state = read_checkpoint(path, self.student)
+            if path is not None:
+                state = read_checkpoint(Path(path), self.student)
+            else:
+                found, state, damaged = read_newest_checkpoint(self.output_dir, self.student)
+                self.ranks.barrier()  # every rank has read before rank 0 renames
+                if self.ranks.is_main:
+                    set_aside(damaged, found)
+                if state is None:
+                    return False
             self.optimizer.load_state_dict(state["optimizer"])
             # The saved gate rollouts are rank 0's slice; other ranks sample theirs again.
             self._gate_sequences = state["gate_sequences"] if self.ranks.is_main else None

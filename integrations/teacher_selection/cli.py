@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
 from lookahead_opd.integrations.opd.tasks import SPLITS
@@ -27,7 +28,7 @@ from .report import METRICS
 from .scores import DISTILL_LOSSES
 from .teachers import SELF_CONTEXTS
 
-__all__ = ["DiagnoseConfig", "parse_config", "run", "main"]
+__all__ = ["DiagnoseConfig", "parse_config", "prepare", "run", "main"]
 
 
 @dataclass
@@ -59,14 +60,18 @@ class DiagnoseConfig:
     dtype: str = option("float32", "model dtype", choices=DTYPES)
     device: str = option("cpu", "torch device of the student and teachers")
     batch_size: int = option(256, "rows per generate call of the engine")
-    plots: bool = option(True, "write the plots and report.html")
-    progress: bool = option(True, "show progress bars")
+    plots: bool = option(True, "write the plots and report.html",
+                         negated_help="skip the plots and report.html (report.json and the nodes "
+                                      "are still written)")
+    progress: bool = option(True, "show progress bars",
+                            negated_help="no progress bars (rollouts, and model loading and "
+                                         "writing)")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
-        from lookahead_opd.integrations.opd.config import _check_model_ref
         from lookahead_opd.integrations.opd.tasks import load_task
 
+        from ..cli_support import check_device, check_model_ref, check_output_dir
         from .diagnose import check_options
         from .teachers import parse_teacher_spec
 
@@ -75,6 +80,7 @@ class DiagnoseConfig:
                       continuations=self.continuations, loss=self.loss, jsd_beta=self.jsd_beta,
                       temperature=self.temperature, spacing=self.spacing, rank_by=self.rank_by)
         check_fields(self)
+        check_device(self.device)
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.batch_size < 1:
@@ -91,10 +97,11 @@ class DiagnoseConfig:
             raise ValueError(
                 f"task {self.task!r} has no {self.split} problems: nothing to diagnose")
         if check_paths:
-            _check_model_ref("student", self.student)
+            check_output_dir(self.output_dir)
+            check_model_ref("student", self.student)
             for s in specs:
                 if s.kind == "model":
-                    _check_model_ref("teacher", s.path)
+                    check_model_ref("teacher", s.path)
 
 
 def _merge_repeated(args: list[str], flag: str) -> list[str]:
@@ -118,23 +125,19 @@ def parse_config(argv: Sequence[str] | None = None) -> DiagnoseConfig:
     return parse_dataclass(DiagnoseConfig, args, prog="lookahead-opd diagnose")
 
 
-def run(config: DiagnoseConfig):
-    """Validate, check every teacher's tokenizer, load the models, diagnose, save. Returns the
-    ``DiagnosticReport``."""
+def prepare(config: DiagnoseConfig):
+    """Validate and check every teacher's tokenizer against the student's (tokenizers are
+    cheap: all are checked before any weights load). Returns the student's tokenizer."""
     config.validate()
-    import torch
-    from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from .diagnose import diagnose
     from .teachers import parse_teacher_spec
 
     tokenizer = AutoTokenizer.from_pretrained(config.student)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    for t in config.teacher:  # tokenizers are cheap: check them all before any weights load
+    for t in config.teacher:
         spec = parse_teacher_spec(t)
         if spec.kind == "model":
             try:
@@ -142,6 +145,21 @@ def run(config: DiagnoseConfig):
             except (OSError, ValueError) as err:
                 raise ValueError(
                     f"teacher {t!r} does not share the student's tokenizer: {err}") from None
+    return tokenizer
+
+
+def run(config: DiagnoseConfig, tokenizer: Any = None):
+    """``prepare`` (unless its ``tokenizer`` is given), load the student, diagnose, save.
+    Returns the ``DiagnosticReport``."""
+    import torch
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from transformers import AutoModelForCausalLM
+
+    from .diagnose import diagnose
+
+    if tokenizer is None:
+        tokenizer = prepare(config)
     dtype = getattr(torch, config.dtype)
     student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
     engine = HFEngine(student, tokenizer, batch_size=config.batch_size)
@@ -160,12 +178,17 @@ def run(config: DiagnoseConfig):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
+    from ..cli_support import quiet_loading_bars
+
+    try:  # bad input: one clear line and status 2, before any weights load
         config = parse_config(argv)
-        report = run(config)
-    except ValueError as err:  # bad input: one clear line
+        if not config.progress:
+            quiet_loading_bars()
+        tokenizer = prepare(config)
+    except ValueError as err:
         print(f"lookahead-opd diagnose: {err}", file=sys.stderr)
         return 2
+    report = run(config, tokenizer)  # a failure while diagnosing keeps its traceback
     print(report.table())
     print(f"\nreport: {Path(config.output_dir) / 'report.html'} (and report.json, nodes.jsonl)")
     return 0

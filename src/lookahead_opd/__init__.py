@@ -5,7 +5,7 @@ holds the Hugging Face, vLLM and on-policy-distillation code and imports those l
 """
 
 from .distributed import resharding
-from .extrapolator import Extrapolator, JumpRecord
+from .extrapolator import Extrapolator, JumpRecord, Summary
 from .optimizer import ExtrapolatingOptimizer
 from .options import ExtrapolationOptions
 from .schedule import Every, PowersOfTwo, Schedule, Steps
@@ -18,6 +18,7 @@ __all__ = [
     "Extrapolator",
     "ExtrapolationOptions",
     "JumpRecord",
+    "Summary",
     "Schedule",
     "PowersOfTwo",
     "Every",

@@ -4,7 +4,9 @@ when the ``hf`` extra is missing."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +19,39 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 _USAGE = "usage: lookahead-opd {" + ",".join(COMMANDS) + "} [options]   (-h after a command for its options)"
+
+
+class UsageError(ValueError):
+    """Bad command-line input: the command prints it on one line and exits with status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` with the commands' two conventions: a parse error is one line (raised as a
+    ``UsageError``, not argparse's usage block and ``SystemExit``), and ``--flag -1e-3`` reads
+    as a negative number (argparse's own matcher takes ``-1e-3`` for an option)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} -h)")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(_attach_negative_numbers(args), namespace)
+
+
+def _attach_negative_numbers(args: list[str]) -> list[str]:
+    """``["--lr", "-1e-3"]`` -> ``["--lr=-1e-3"]``: no option starts with a minus and a digit, so
+    such a word is the previous flag's value (``-1e-3``, ``-1,2``), whatever argparse's
+    negative-number pattern says (Python 3.13 widened it the same way)."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
+_NEGATIVE = re.compile(r"-\.?\d")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

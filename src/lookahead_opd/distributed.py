@@ -13,7 +13,9 @@ a stale all-gathered copy, blind to the candidates written into the shards. Wrap
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -22,8 +24,18 @@ from torch import Tensor, nn
 
 T = TypeVar("T")
 
-__all__ = ["REDUCTIONS", "is_distributed", "reduce_score", "local_tensor", "square_sum",
-           "resharding"]
+__all__ = [
+    "REDUCTIONS",
+    "ShardLayout",
+    "is_distributed",
+    "rank_and_size",
+    "reduce_score",
+    "all_reduce_sum",
+    "local_tensor",
+    "shard_layout",
+    "square_sum",
+    "resharding",
+]
 
 REDUCTIONS = ("mean", "rank0")
 
@@ -31,6 +43,13 @@ REDUCTIONS = ("mean", "rank0")
 def is_distributed(group: object | None = None) -> bool:
     """True when a process group is initialised and has more than one rank."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def rank_and_size(group: object | None = None) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size; ``(0, 1)`` when not distributed."""
+    if not is_distributed(group):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _score_device(group: object | None) -> torch.device:
@@ -55,6 +74,40 @@ def reduce_score(score: float, how: str = "mean", group: object | None = None) -
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast(t, src=src, group=group)
     return float(t.item())
+
+
+def all_reduce_sum(t: Tensor, group: object | None = None) -> Tensor:
+    """``t`` summed over the ranks of ``group`` (on ``t``'s device); ``t`` itself when not
+    distributed. Every rank gets the same bits."""
+    if not is_distributed(group):
+        return t
+    buf = t.to(_score_device(group))
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(t.device)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where a DTensor's local shard sits in the global tensor: the global shape, the local
+    shard's offset along each dim, and how many ranks hold this same shard (replicated mesh
+    dims)."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    replicas: int
+
+
+def shard_layout(param: Tensor) -> ShardLayout | None:
+    """The layout of a DTensor's local shard, ``None`` for a plain tensor (every rank holds
+    all of it, as under DDP)."""
+    if type(param).__name__ != "DTensor":
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = param.device_mesh, param.placements
+    _, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    replicas = math.prod(mesh.size(d) for d, pl in enumerate(placements) if pl.is_replicate())
+    return ShardLayout(tuple(param.shape), tuple(offset), replicas)
 
 
 def local_tensor(param: Tensor) -> Tensor:

@@ -30,9 +30,10 @@ from torch import Tensor
 
 from . import distributed
 from .options import ExtrapolationOptions
+from .sketch import SecantSketch
 from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
 
-__all__ = ["Extrapolator", "JumpRecord", "ParamsSpec"]
+__all__ = ["Extrapolator", "JumpRecord", "ParamsSpec", "Summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,10 @@ _STATE_VERSION = 1
 @dataclass
 class JumpRecord:
     """What one search did. ``accepted`` is the kept coefficient, or ``None`` when the
-    weights were left at ``W_t``; ``scores[i]`` is the score of ``coefficients[i]``."""
+    weights were left at ``W_t``; ``scores[i]`` is the score of ``coefficients[i]``.
+    ``direction_norm`` is ``‖Δ‖`` (of the projected ``Δ`` with ``direction_rank``);
+    ``secant_cosine`` and ``norm_ratio`` compare ``Δ`` with the previous search's (see
+    ``lookahead_opd.sketch``), ``None`` at the first search."""
 
     step: int
     score_before: float
@@ -55,6 +59,8 @@ class JumpRecord:
     seconds: float = 0.0
     direction_norm: float = 0.0
     geometry: dict[str, float] | None = None
+    secant_cosine: float | None = None
+    norm_ratio: float | None = None
 
     @property
     def best_score(self) -> float:
@@ -69,6 +75,35 @@ class JumpRecord:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> JumpRecord:
         return cls(**dict(d))
+
+
+@dataclass
+class Summary:
+    """What the searches bought (``Extrapolator.summary()``). ``search_seconds`` covers gate
+    evaluations and candidate writes; ``mean_secant_cosine`` is ``None`` before the second
+    search; ``extra_distance`` is ``Σ c·‖Δ‖`` over kept jumps divided by ``Σ ‖Δ‖`` over all
+    searches: the distance the jumps added, as a multiple of the distance the optimizer moved
+    (a large value hints that a larger learning rate may do the same; with
+    ``direction="averaged"`` it counts the ``c·‖Δ‖`` part of a jump, not the move to the
+    window average)."""
+
+    searches: int
+    kept_jumps: int
+    gate_evals: int
+    search_seconds: float
+    mean_secant_cosine: float | None
+    extra_distance: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        cos = "n/a" if self.mean_secant_cosine is None else f"{self.mean_secant_cosine:.2f}"
+        return (
+            f"{self.searches} searches, {self.kept_jumps} jumps kept, {self.gate_evals} gate "
+            f"evals in {self.search_seconds:.1f}s, mean secant cosine {cos}, kept jumps moved "
+            f"{self.extra_distance:.2f}x the distance the optimizer did"
+        )
 
 
 def _named(params: ParamsSpec) -> list[tuple[str, Tensor]]:
@@ -158,6 +193,7 @@ class Extrapolator:
         self._params: list[Tensor] = []
         self._averages: list[Tensor] = []  # direction="averaged": running mean of this window
         self._window_count = 0
+        self.secant = SecantSketch(0)  # the previous search's direction, sketched
         self.add_params(params)
         if not self._params:
             raise ValueError("Extrapolator got no parameters to extrapolate")
@@ -184,6 +220,7 @@ class Extrapolator:
             self._window_count = 0
         self._names.extend(n for n, _ in named)
         self._params.extend(p for _, p in named)
+        self.secant.resize(sum(p.numel() for p in self._params))  # global sizes: same on all ranks
         with torch.no_grad():
             local = [distributed.local_tensor(p).detach() for _, p in named]
             self.store.add([n for n, _ in named], local)
@@ -237,6 +274,11 @@ class Extrapolator:
         src = self._averages[i] if self.direction == "averaged" else backup[i]
         return src.to(device=device, dtype=torch.float32)
 
+    def _direction(self, i: int, backup: Sequence[Tensor]) -> Tensor:
+        """``Δ`` of parameter ``i`` (its local shard), fp32, on the restore buffer's device."""
+        device = backup[i].device
+        return self._base(i, backup, device) - self.store.anchor(i, device)
+
     @torch.no_grad()
     def copy_weights(self) -> list[Tensor]:
         """A copy of the current weights ``W_t`` (on the ``offload`` device when set): the
@@ -276,6 +318,14 @@ class Extrapolator:
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
         backup = self.copy_weights()
+        # Hashed on the parameters' device even when the buffers are offloaded (GPU >> CPU).
+        sketch = self.secant.measure(
+            ((i, self._direction(i, backup).to(p.device), distributed.shard_layout(p))
+             for i, p in enumerate(self._params)),
+            self.process_group,
+        )
+        record.direction_norm = math.sqrt(float(sketch[-1]))
+        record.secant_cosine, record.norm_ratio = self.secant.compare(sketch)
         try:
             best = record.score_before = self._score()
             record.n_evals = 1
@@ -290,10 +340,11 @@ class Extrapolator:
                     coefficients = tuple(c for c in coefficients if c != 0)
             if coefficients and self.direction_rank is not None:
                 self._projected = self._project(backup)
+            measure = self._projected is not None  # the projection shrinks ‖Δ‖
             for c in coefficients:
-                norm = self.apply(c, backup, measure=not record.coefficients)
-                if not record.coefficients:
-                    record.direction_norm = norm
+                norm = self.apply(c, backup, measure=measure)
+                if measure:
+                    record.direction_norm, measure = norm, False
                 score = self._score()
                 record.n_evals += 1
                 record.coefficients.append(c)
@@ -313,6 +364,7 @@ class Extrapolator:
             raise
         self._projected = None
         self._set_anchor(record.accepted is not None)
+        self.secant.remember(sketch)
         if record.accepted is not None and self.on_jump == "reset":
             for p in self._params:
                 self.optimizer.state.pop(p, None)  # type: ignore[union-attr]
@@ -360,12 +412,29 @@ class Extrapolator:
 
         return summarize(_LazyDirections(self, backup))
 
+    def summary(self) -> Summary:
+        """What the searches bought so far, from ``history`` (see ``Summary``)."""
+        h = self.history
+        cosines = [r.secant_cosine for r in h if r.secant_cosine is not None]
+        moved = sum(r.direction_norm for r in h)
+        extra = sum(r.accepted * r.direction_norm for r in h if r.accepted is not None)
+        return Summary(
+            searches=len(h),
+            kept_jumps=sum(r.accepted is not None for r in h),
+            gate_evals=sum(r.n_evals for r in h),
+            search_seconds=sum(r.seconds for r in h),
+            mean_secant_cosine=sum(cosines) / len(cosines) if cosines else None,
+            extra_distance=extra / moved if moved > 0 else 0.0,
+        )
+
     # ------------------------------------------------------------------ memory and state
     def nbytes(self) -> dict[str, int]:
-        """Bytes held between searches: the anchor store and the running average."""
+        """Bytes held between searches: the anchor store, the running average and the
+        sketch of the previous direction."""
         return {
             "anchor": self.store.nbytes(),
             "average": sum(a.numel() * a.element_size() for a in self._averages),
+            "sketch": self.secant.nbytes(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -379,6 +448,7 @@ class Extrapolator:
             "anchor": self.store.state_dict(),
             "averages": list(self._averages),
             "window_count": self._window_count,
+            "secant": self.secant.state_dict(),
             "history": [r.to_dict() for r in self.history],
         }
 
@@ -401,6 +471,8 @@ class Extrapolator:
         ]
         self.step_count = int(state["step_count"])
         self._window_count = int(state["window_count"])
+        if "secant" in state:  # absent from states saved before the sketch existed
+            self.secant.load_state_dict(state["secant"])
         self.history = [JumpRecord.from_dict(r) for r in state["history"]]
 
     def __repr__(self) -> str:
@@ -418,9 +490,7 @@ class _LazyDirections(Mapping):
         self._index = {n: i for i, n in enumerate(ex._names)}
 
     def __getitem__(self, name: str) -> Tensor:
-        i = self._index[name]
-        device = self._backup[i].device
-        return self._ex._base(i, self._backup, device) - self._ex.store.anchor(i, device)
+        return self._ex._direction(self._index[name], self._backup)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._index)

@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .extrapolator import Extrapolator, JumpRecord, ParamsSpec
+from .extrapolator import Extrapolator, JumpRecord, ParamsSpec, Summary
 
 __all__ = ["ExtrapolatingOptimizer"]
 
@@ -108,6 +108,10 @@ class ExtrapolatingOptimizer(Optimizer):
     def history(self) -> list[JumpRecord]:
         """Every search so far (``JumpRecord``s), oldest first."""
         return self.extrapolator.history
+
+    def summary(self) -> Summary:
+        """What the searches bought so far (see ``Extrapolator.summary``)."""
+        return self.extrapolator.summary()
 
     @property
     def step_count(self) -> int:

@@ -7,7 +7,7 @@ small-lr SGD, the regime where consecutive updates point the same way, so the ga
 
 from __future__ import annotations
 
-import argparse
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,10 +101,25 @@ def format_result(result: ToyResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lookahead-opd toy", description=__doc__)
-    parser.add_argument("--steps", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    from .cli import ArgumentParser
+
+    parser = ArgumentParser(prog="lookahead-opd toy", description=__doc__)
+    parser.add_argument("--steps", type=int, default=256, help="SGD steps of each run")
+    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, init and batches")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (one was faster than torch's default on a shared "
+                             "2-core machine: benchmarks/results/threads.md)")
+    try:  # bad input: one clear line and status 2
+        args = parser.parse_args(argv)
+        for name in ("steps", "threads"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+        if not args.lr > 0:
+            raise ValueError(f"lr must be > 0, got {args.lr}")
+    except ValueError as err:
+        print(f"lookahead-opd toy: {err}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
     print(format_result(run_toy(args.steps, lr=args.lr, seed=args.seed)))
     return 0

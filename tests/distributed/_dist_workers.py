@@ -176,6 +176,30 @@ def fsdp_worker(rank: int) -> dict:
     }
 
 
+def sketch_worker(rank: int) -> dict:
+    """The secant sketch of one direction held three ways: replicated on both ranks (large
+    enough to span several chunks), as DTensor row shards and as DTensor column shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lookahead_opd.distributed import local_tensor, shard_layout
+    from lookahead_opd.sketch import SecantSketch
+
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    big, w = sketch_inputs()
+    sketch = SecantSketch(big.numel() + w.numel())
+    out = {"replicated": sketch.measure([(0, big, None), (1, w, None)])}
+    for name, dim in (("rows", 0), ("cols", 1)):
+        d = distribute_tensor(w, mesh, [Shard(dim)])
+        out[name] = sketch.measure([(0, big, None), (1, local_tensor(d), shard_layout(d))])
+    return out
+
+
+def sketch_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(700_000, generator=g), torch.randn(7, 301, generator=g)
+
+
 def reference_run() -> dict:
     """The FSDP run without FSDP: one process, the whole global batch, the mean gate."""
     model = make_model()

@@ -73,6 +73,9 @@ def _assert_same_everywhere(results: list[dict]) -> None:
                 b["accepted"],
             )
             assert _same([a["score_before"], *a["scores"]], [b["score_before"], *b["scores"]])
+            # The secant sketch is all-reduced: every rank reads the same cosine, bit for bit.
+            for key in ("secant_cosine", "norm_ratio", "direction_norm"):
+                assert a[key] == b[key], (a["step"], key)
         for name, p in first["params"].items():
             assert torch.equal(p, other["params"][name]), name
 
@@ -162,5 +165,24 @@ def test_fsdp2_matches_single_process(tmp_path):
             want["accepted"],
         )
         assert got["scores"] == pytest.approx(want["scores"], rel=1e-5, abs=1e-7)
+        # Shards sketch their part of the global tensor: the cosine is the unsharded run's.
+        for key in ("secant_cosine", "norm_ratio"):
+            assert (got[key] is None) == (want[key] is None)
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6)
     for name, p in ref["params"].items():
         torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=1e-6)
+
+
+def test_sketch_is_the_same_on_every_rank_and_matches_one_process(tmp_path):
+    """Replicated tensors split their chunks between ranks, shards add their own part; after
+    the all-reduce both ranks hold the single-process sketch, bit-identical to each other."""
+    pytest.importorskip("torch.distributed.tensor")
+    from lookahead_opd.sketch import SecantSketch
+
+    results = w.launch(w.sketch_worker, tmp_path)
+    big, weight = w.sketch_inputs()
+    sketch = SecantSketch(big.numel() + weight.numel())
+    want = sketch.measure([(0, big, None), (1, weight, None)])
+    for key in ("replicated", "rows", "cols"):
+        assert torch.equal(results[0][key], results[1][key]), key
+        torch.testing.assert_close(results[0][key], want, rtol=1e-10, atol=1e-10)

@@ -52,9 +52,25 @@ def test_bad_options_fail_before_loading(tmp_path, change, message):
         OPDConfig(**{**base, **change}).validate()
 
 
-def test_model_paths(tmp_path):
+def _fake_hub_cache(root, repo_id):
+    """A Hugging Face cache holding ``repo_id``'s config.json, as a download leaves it."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text("{}")
+
+
+def test_model_paths(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
     ok = _saved_model_dir(tmp_path, "s")
-    OPDConfig(student=ok, teacher="Qwen/Qwen2.5-0.5B").validate()  # a hub id is left to the Hub
+    _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-0.5B")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    OPDConfig(student=ok, teacher="Qwen/Qwen2.5-0.5B").validate()  # in the cache: no network
+    with pytest.raises(ValueError, match="'Qwen/nothing' was not found.*need no network"):
+        OPDConfig(student=ok, teacher="Qwen/nothing").validate()
     with pytest.raises(ValueError, match="student path .* does not exist"):
         OPDConfig(student=str(tmp_path / "nope"), teacher=ok).validate()
     (tmp_path / "empty").mkdir()

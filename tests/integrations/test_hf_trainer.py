@@ -197,8 +197,19 @@ def test_jump_keys_reach_log_history_and_reporters(tmp_path):
         assert h["extrapolation/n_evals"] == r.n_evals
     assert logged[-1]["extrapolation/searches"] == len(SEARCH_STEPS)
     assert logged[-1]["extrapolation/evals"] == sum(r.n_evals for r in cb.history)
+    assert "extrapolation/secant_cosine" not in logged[0]  # no previous direction yet
+    assert [h["extrapolation/secant_cosine"] for h in logged[1:]] == [
+        r.secant_cosine for r in cb.history[1:]
+    ]
     seen = [log for log in recorder.logs if "extrapolation/accepted" in log]
     assert len(seen) == len(SEARCH_STEPS)
+    # The end of the run logs what the searches bought.
+    (summary,) = [h for h in trainer.state.log_history if "extrapolation/summary/searches" in h]
+    assert summary["extrapolation/summary/searches"] == len(SEARCH_STEPS)
+    assert summary["extrapolation/summary/gate_evals"] == sum(r.n_evals for r in cb.history)
+    assert summary["extrapolation/summary/kept_jumps"] == sum(
+        r.accepted is not None for r in cb.history
+    )
 
 
 def test_gate_dataset_scores_with_trainer_evaluate(tmp_path):

@@ -145,6 +145,15 @@ def test_searches_after_optimizer_steps_and_reach_the_loggers(tmp_path):
         assert m["extrapolation/coefficient"] == (r.accepted or 0.0)
         assert m["extrapolation/best_score"] == r.best_score
     assert sent[-1][1]["extrapolation/searches"] == len(SEARCH_STEPS)
+    # The end of the run sends what the searches bought.
+    (summary,) = [m for _, m in recorder.metrics if "extrapolation/summary/searches" in m]
+    assert summary["extrapolation/summary/searches"] == len(SEARCH_STEPS)
+    assert summary["extrapolation/summary/kept_jumps"] == sum(
+        r.accepted is not None for r in cb.history
+    )
+    assert summary["extrapolation/summary/mean_secant_cosine"] == pytest.approx(
+        sum(r.secant_cosine for r in cb.history[1:]) / (len(SEARCH_STEPS) - 1)
+    )
 
 
 def test_never_improving_gate_is_bit_identical(tmp_path):

@@ -68,7 +68,10 @@ def test_teacher_equal_to_student_gives_no_update(tmp_path, tokenizer):
 
 def test_metrics_and_jumps_are_logged(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, extrapolate=True, gate="neg_kl", eval_every=2)
-    t.train()
+    result = t.train()
+    assert result.summary is not None and result.summary.searches == len(result.jumps) == 3
+    assert result.summary.gate_evals == t.gate_evals
+    assert [j["secant_cosine"] is None for j in result.jumps] == [True, False, False]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3, 4]
     assert {"loss", "reverse_kl", "rollout_tokens_per_s", "seconds_rollout", "seconds_gate"} <= set(lines[1])
