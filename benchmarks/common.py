@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -173,10 +174,22 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+def command_line() -> str:
+    """The command that is running, as a reader in the repo root would type it: the benchmarks
+    run as modules (``python -m benchmarks.<name>``), whatever path started them."""
+    script, *args = sys.argv
+    path = Path(script)
+    if path.suffix == ".py" and path.parent.name == "benchmarks":
+        head = ["-m", f"benchmarks.{path.stem}"]
+    else:
+        head = [script]
+    return "python " + " ".join(shlex.quote(a) for a in head + args)
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "command": command_line(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

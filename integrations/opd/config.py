@@ -240,7 +240,9 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
     fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
     checked by the config itself, with its own messages. A parse error is one line (a
     ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
-    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written."""
+    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
+    named in ``cls.CLI_HIDDEN`` (ones the command sets itself) get no flag and keep their
+    defaults."""
     import argparse
 
     from transformers import HfArgumentParser
@@ -254,7 +256,8 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
         pass
 
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hidden = set(getattr(cls, "CLI_HIDDEN", ()))
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in hidden}
     plain = dataclasses.make_dataclass(cls.__name__, [
         (f.name, hints[f.name], dataclasses.field(
             default=f.default, default_factory=f.default_factory,
@@ -272,7 +275,7 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
                                                       return_remaining_strings=True)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls)})
+    return cls(**{name: getattr(parsed, name) for name in fields})
 
 
 def _read_config_file(path: str) -> dict[str, Any]:

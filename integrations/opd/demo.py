@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from lookahead_opd.options import option
 
@@ -48,7 +48,12 @@ class DemoConfig(_DemoDefaults):
     """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass): every
     ``OPDConfig`` option of both runs, plus how the models are built and the target. The demo
     sets ``student``, ``teacher`` (the built pair), ``extrapolate`` (one run each) and each
-    run's ``output_dir`` (under this one) itself."""
+    run's ``output_dir`` (under this one) itself, so those get no flag; it runs in one process,
+    so neither do the FSDP options."""
+
+    CLI_HIDDEN: ClassVar[tuple[str, ...]] = ("student", "teacher", "extrapolate", "resume",
+                                             "overwrite_output_dir", "fsdp", "fsdp_teacher",
+                                             "fsdp_mixed_precision")
 
     cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
                                    "~/.cache/lookahead-opd)")

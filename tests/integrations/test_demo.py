@@ -4,6 +4,7 @@ EffOPD from the same student, prints the table and writes results.json and the p
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -37,3 +38,19 @@ def test_demo_rejects_bad_regime(tmp_path):
 
     with pytest.raises(ValueError, match="teacher_regime"):
         run_demo(DemoConfig(output_dir=str(tmp_path), teacher_regime="other"))
+
+
+def test_demo_offers_no_flag_it_would_ignore(tmp_path, capsys):
+    # The demo builds its own student and teacher and runs both methods: flags for them would
+    # be accepted and silently ignored, so they are not offered.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "--learning_rate" in help_text and "--export_dir" in help_text
+    for flag in ("--student", "--teacher", "--extrapolate", "--resume", "--overwrite_output_dir"):
+        assert not re.search(rf"{flag}(?![\w-])", help_text)  # --teacher_regime stays
+    assert cli.main(["demo", "--output_dir", str(tmp_path / "d"), "--student", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--student" in err and "Traceback" not in err and len(err.strip().splitlines()) <= 3
+    assert not (tmp_path / "d").exists()
