@@ -822,7 +822,8 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     for c in s.values():
         i, j = rows.index(f"{c['teacher']}/{c['optimizer']}"), levels.index(c["level"])
         f = c.get("verdict_fraction")
-        text = c["status"]
+        text = c["status"] if c["status"] in ("not run", "partial") else (
+            "no ratio: 50% of the gain\nnot reached by both")
         if f is not None:
             vals = [v for v in c["ratios"][f"steps_{f:g}"] if v is not None]
             grid[i, j] = min(vals)
