@@ -217,6 +217,16 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def previous_results(out_dir: str | Path, stem: str, *, fresh: bool = False) -> dict[str, Any] | None:
+    """The ``<stem>.json`` an earlier run left under ``out_dir`` (created if missing), so a
+    rerun resumes from it; ``None`` when there is none or ``fresh`` asks to start over."""
+    path = Path(out_dir) / f"{stem}.json"
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if fresh or not path.exists():
+        return None
+    return json.loads(path.read_text())
+
+
 def write_results(out_dir: str, stem: str, data: dict[str, Any], markdown: str) -> list[str]:
     """Write ``<stem>.json`` and ``<stem>.md`` under ``out_dir``; return the paths."""
     os.makedirs(out_dir, exist_ok=True)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import statistics
 import time
@@ -42,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 
 STEM = "regimes"
 LOSS = "reverse_kl"
@@ -860,11 +859,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{a.stem}.json"
     results: dict[str, Any] = {"runs": {}, "bases": {}, "unavailable": {}}
-    if path.exists() and not a.fresh:
-        old = json.loads(path.read_text())
+    old = previous_results(out, a.stem, fresh=a.fresh)
+    if old is not None:
         results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
         results["commands"] = old.get("commands", [])
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 
 STEM = "speedup"
 # Full-vocabulary reverse KL at lr 1e-3: on this task the teacher is near one-hot, and the
@@ -448,13 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{STEM}.json"
     results: dict[str, Any] = {"runs": {}, "targets": {}}
-    if path.exists() and not a.fresh:
-        old = json.loads(path.read_text())
-        if old.get("config", {}).get("steps") == a.steps:
-            results = old
+    old = previous_results(out, STEM, fresh=a.fresh)
+    if old is not None and old.get("config", {}).get("steps") == a.steps:
+        results = old
     for other in a.merge:
         theirs = json.loads(Path(other).read_text())
         results["runs"].update(theirs["runs"])
