@@ -199,8 +199,32 @@ class Models:
                 "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
                 "student": load(pair.student_path), "teacher": load(pair.teacher_path),
                 "accuracies": pair.accuracies, "path": str(pair.student_path),
+                "build": Path(pair.student_path).parent.name,
             }
         return self._pairs[key]
+
+
+def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, Any]) -> str | None:
+    """Why ``pair`` is not the pair the json's earlier runs of this task and teacher used, or
+    None. Zoo builds are seeded but not reproducible across machines and thread counts, so a
+    rebuilt pair can differ; runs on two different pairs must not be mixed in one map."""
+    key = f"{cell['task']}|{cell['teacher']}"
+    record = {"build": pair["build"], "accuracies": pair["accuracies"]}
+    seen = results.setdefault("pairs", {}).get(key)
+    if seen is None:
+        # A json written before pairs were recorded: the teachers' accuracies in its bases.
+        old = [b["teacher"] for k, b in results["bases"].items() if k.startswith(key + "|")]
+        if cell["kind"] == "retention" or not old or math.isclose(old[0], pair["accuracies"]["teacher"]):
+            results["pairs"][key] = record
+            return None
+        seen = {"build": "?", "accuracies": {"teacher": old[0]}}
+    common = [k for k, v in record["accuracies"].items()
+              if isinstance(v, float) and isinstance(seen["accuracies"].get(k), float)]
+    if all(math.isclose(seen["accuracies"][k], record["accuracies"][k]) for k in common):
+        return None
+    return (f"the zoo pair {pair['build']} (accuracies {record['accuracies']}) is not the one "
+            f"the json's {key} runs used ({seen['build']}: {seen['accuracies']}); write this study "
+            "elsewhere with --out, or start over with --fresh")
 
 
 def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
@@ -710,8 +734,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "its seconds include every gate evaluation. Mean [min–max] over seeds; ratios are plain ÷ "
         "EffOPD per paired seed (>1: EffOPD faster), at the highest fraction of the gain both "
         "reach on every paired seed. The verdict is on steps: the seconds are each run's own "
-        "training clock on a machine shared with other jobs (load 10–15 on 2 cores), so a "
-        "seconds ratio far from 1 where the steps are equal is the clock's noise, not the method.",
+        "training clock, and the CPU runs shared 2 cores with other jobs (load up to 10–15), so "
+        "a seconds ratio far from 1 where the steps are equal is the clock's noise, not the method.",
         "",
         f"**Verdict.** {verdict(s)}",
         "",
@@ -776,6 +800,17 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                              "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
         lines += [f"### {name}", "", markdown_table(
             ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
+    lines += ["## Pairs", "", "The zoo pair each task and teacher ran on (zoo builds are seeded but "
+              "differ across machines and thread counts; a rerun on a pair that differs skips "
+              "the cell rather than mix two pairs in one map):", ""]
+    pairs = results.get("pairs", {})
+    for key in dict.fromkeys(k.rsplit("|", 1)[0] for k in results["bases"]):
+        rec = pairs.get(key)
+        acc = rec["accuracies"] if rec else {}
+        lines.append(f"- {key}: " + (f"`{rec['build']}`, " + ", ".join(
+            f"{k} {v:.1%}" for k, v in acc.items() if isinstance(v, float)) if rec else
+            "built in the first session, not recorded (its teacher's accuracy is in the map)"))
+    lines += [""]
     lines += ["## Not run", "", "What the full staged protocol asks for and is not in the json "
               "(stopped for the CPU budget unless a reason is given):", ""]
     lines += not_run(a, results) or ["- every run of the grid ran."]
@@ -797,7 +832,8 @@ def not_run(a: argparse.Namespace, results: dict[str, Any]) -> list[str]:
             if todo:
                 runs = ", ".join(f"{m} lr {lr:g} seed {sd}" for m, lr, sd, _ in todo)
                 later = " (and the stages after it)" if stage != "2" else ""
-                out.append(f"- {name}, stage {stage}{later}: {runs}")
+                why = f" — {reasons[name]}" if name in reasons else ""
+                out.append(f"- {name}, stage {stage}{later}: {runs}{why}")
                 break
     return out
 
@@ -863,6 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     old = previous_results(out, a.stem, fresh=a.fresh)
     if old is not None:
         results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
+        results["pairs"], results["unavailable"] = old.get("pairs", {}), old.get("unavailable", {})
         results["commands"] = old.get("commands", [])
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
@@ -884,6 +921,11 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in pair:
                 results["unavailable"][name] = f"pair not available: {pair['error']}"
                 continue
+            if (why := check_pair(results, cell, pair)) is not None:
+                results["unavailable"][name] = why
+                tqdm.write(f"regimes: skipping {name}: {why}")
+                continue
+            results["unavailable"].pop(name, None)
             while todo := pending(a, results, name, stage):
                 if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
                     tqdm.write(f"budget of {a.budget_s:.0f}s spent; rerun to continue")

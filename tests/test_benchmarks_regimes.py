@@ -65,6 +65,36 @@ def test_rerun_skips_finished_runs(smoke, monkeypatch):
     assert after["runs"] == before and after["summary"]
 
 
+def test_a_rebuilt_pair_that_differs_is_refused(smoke, monkeypatch):
+    """The json records each pair's accuracies; resuming on a pair built differently (zoo builds
+    differ across machines and thread counts) skips the cell with a one-line reason in the json
+    and the report, instead of mixing two studies."""
+    path = smoke / "regimes-smoke.json"
+    results = json.loads(path.read_text())
+    (key, record), = results["pairs"].items()
+    assert set(record["accuracies"]) >= {"student", "teacher"}
+    record["accuracies"] = {**record["accuracies"], "teacher": record["accuracies"]["teacher"] / 2}
+    path.write_text(json.dumps(results))
+    monkeypatch.setattr(regimes, "pending", lambda *args: [("plain", 1e-3, 9, False)])
+
+    def no_runs(*args, **kwargs):
+        raise AssertionError("a run on a different pair")
+
+    monkeypatch.setattr(regimes, "run_one", no_runs)
+    assert regimes.main(["--smoke", "--out", str(smoke)]) == 0
+    after = json.loads(path.read_text())
+    (name, why), = after["unavailable"].items()
+    assert f"is not the one the json's {key} runs used" in why and "\n" not in why
+    assert after["runs"] == results["runs"] and why in (smoke / "regimes-smoke.md").read_text()
+    # The rest of a json written before pairs were recorded: its bases' teacher accuracy.
+    legacy = {"pairs": {}, "bases": {f"{key}|0": {"teacher": 0.5}}}
+    cell = {"task": key.split("|")[0], "teacher": key.split("|")[1], "kind": "main"}
+    pair = {"build": "b", "accuracies": {"teacher": 0.5}}
+    assert regimes.check_pair(legacy, cell, pair) is None and legacy["pairs"][key]["build"] == "b"
+    legacy = {"pairs": {}, "bases": {f"{key}|0": {"teacher": 0.5}}}
+    assert "0.4" in regimes.check_pair(legacy, cell, {**pair, "accuracies": {"teacher": 0.4}})
+
+
 def test_verdict_names_a_cell_only_when_every_paired_seed_clears_the_bar():
     def cell(ratios, counts=True):
         return {"counts": counts, "paired_seeds": [0, 1, 2], "verdict_fraction": 0.9,

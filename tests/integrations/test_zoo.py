@@ -99,3 +99,37 @@ def test_bad_regimes():
         zoo.build_pair(teacher_regime="same-base", retain=["arithmetic"])
     with pytest.raises(ValueError, match="max_steps"):
         zoo.build_pair(max_steps=0)
+
+
+def test_a_base_that_jumps_past_the_range_is_retrained_from_the_last_probe(tmp_path, monkeypatch):
+    """On a curve steep enough that one 25-step probe interval jumps from under the target to
+    past the ceiling, ``base`` goes back to the last probe under the target and retrains with
+    a probe every 5 steps, landing inside the range; a curve that lands inside is untouched."""
+
+    def curve(step):  # accuracy vs steps: flat, then 0.1 -> 0.6 over steps 425-450
+        return 0.0 if step < 425 else min(0.6, 0.1 + (step - 425) * 0.02)
+
+    def fake_train(self, phase, model, task, stop, *, seed, eval_every):
+        # "Training" moves one weight by 1 per step, so a model's step count is in its weights.
+        weight = next(model.parameters())
+        for step in range(1, 1001):
+            with torch.no_grad():
+                weight.view(-1)[0] += 1.0
+            if step % eval_every == 0 and stop(model):
+                return step
+        return 1000
+
+    def fake_acc(self, model, task, problems=None):
+        return curve(round(float(next(model.parameters()).detach().view(-1)[0]) - start))
+
+    monkeypatch.setattr(zoo._Builder, "train", fake_train)
+    monkeypatch.setattr(zoo._Builder, "acc", fake_acc)
+    builder = zoo._Builder(tmp_path, load_task("arithmetic"), "arithmetic", "tiny", 0, False, 10)
+    model = zoo.make_model(builder.tokenizer, "tiny", 0)
+    start = float(next(model.parameters()).detach().view(-1)[0])
+    coarse = zoo.make_model(builder.tokenizer, "tiny", 0)
+    _, coarse_steps = builder.base(0.25, init=coarse)  # no ceiling: the overshoot is kept
+    assert coarse_steps == 450 and builder.acc(coarse, None) == pytest.approx(0.6)
+    _, steps = builder.base(0.25, init=model, ceiling=0.40)
+    # Back to step 425 (the last probe under 0.25), then probes at 430, 435: 0.2, 0.3.
+    assert steps == 435 and builder.acc(model, None) == pytest.approx(0.3)
