@@ -187,7 +187,8 @@ class Models:
             extra = {"retain": [RETENTION["held_out"]]} if teacher == "retention" else {}
             try:
                 pair = build_pair(self.a.cache_dir, task_spec=task_spec, size=self.a.size,
-                                  teacher_regime=TEACHERS[teacher], progress=True, **extra)
+                                  teacher_regime=TEACHERS[teacher], progress=True,
+                                  device=self.a.device, **extra)
             except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
                 self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
                 return self._pairs[key]

@@ -41,6 +41,7 @@ from torch import nn
 
 from lookahead_opd.options import check_choice
 
+from ..cli_support import check_device
 from .tasks import SPLITS, Problem, Task, load_task
 from .tokenizer import char_tokenizer
 
@@ -273,16 +274,19 @@ class _OwnSamples(Task):
 def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "arithmetic",
                size: str = "tiny", teacher_regime: str = "same-base", seed: int = 0,
                progress: bool = True, *, max_steps: int = 6000, retain: Sequence[str] = (),
-               strict: bool = True) -> ZooPair:
+               strict: bool = True, device: str | torch.device = "cpu") -> ZooPair:
     """Build (or load from the cache) the student base and its teacher; see the module doc.
 
     ``retain`` (``retention`` regime only): task specs the base learns first and both models
     must keep, e.g. ``("arithmetic:ops=+",)`` for ``task_spec="arithmetic:ops=-"``.
-    ``max_steps`` caps every training phase. With ``strict=False`` a build whose checks fail
+    ``max_steps`` caps every training phase. ``device`` trains there (``"cuda"`` for the
+    ``large`` size, which a CPU builds in hours); the cache key leaves it out, and
+    ``meta["device"]`` records it. With ``strict=False`` a build whose checks fail
     (base range, teacher accuracy, the ``rl`` acceptance rule) is kept, the failures listed in
     ``meta["failed_checks"]``, instead of raising ``RuntimeError`` (tests on tiny budgets).
     """
     check_choice("teacher_regime", teacher_regime, TEACHER_REGIMES)
+    check_device(str(device))
     if size not in ZOO_SIZES:
         raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
     if max_steps < 1:
@@ -314,7 +318,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}{_TMP}{os.getpid()}-", dir=root))
     try:
-        builder = _Builder(work, task, task_spec, size, seed, progress, max_steps)
+        builder = _Builder(work, task, task_spec, size, seed, progress, max_steps, device)
         if teacher_regime == "rl":
             meta = builder.rl()
         elif teacher_regime == "retention":
@@ -325,7 +329,7 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
             raise RuntimeError(f"zoo build {name} failed: " + "; ".join(builder.failed))
         meta.update(task=task_spec, size=size, teacher_regime=teacher_regime, seed=seed,
                     version=ZOO_VERSION, failed_checks=builder.failed,
-                    build_seconds=time.perf_counter() - builder.t0)
+                    build_seconds=time.perf_counter() - builder.t0, device=str(builder.device))
         (work / "build.json").write_text(json.dumps(meta, indent=2))  # written last: marks complete
         try:
             os.rename(work, final)
@@ -378,8 +382,9 @@ class _Builder:
     """One build: the phases each regime strings together, the checks they failed, timings."""
 
     def __init__(self, work: Path, task: Task, task_spec: str, size: str, seed: int,
-                 progress: bool, max_steps: int) -> None:
+                 progress: bool, max_steps: int, device: str | torch.device = "cpu") -> None:
         self.work, self.task, self.task_spec, self.size, self.seed = work, task, task_spec, size, seed
+        self.device = torch.device(device)
         self.progress, self.max_steps = progress, max_steps
         self.tokenizer = char_tokenizer()
         self.context = context_length(task)
@@ -388,6 +393,9 @@ class _Builder:
         self.t0 = time.perf_counter()
 
     # ------------------------------------------------------------------ helpers
+    def new_model(self, seed: int) -> nn.Module:
+        return make_model(self.tokenizer, self.size, seed, self.context).to(self.device)
+
     def probe(self, task: Task) -> list[Problem]:
         test = task.problems("test")
         return task.problems("test", min(200, len(test)), seed=self.seed)
@@ -423,7 +431,7 @@ class _Builder:
         ``longadd`` 25 steps took a base from under 25% to 57%), the model goes back to the last
         probe under ``target`` and retrains from there with a probe every 5 steps. Builds that
         landed under the ceiling are unchanged."""
-        model = init if init is not None else make_model(self.tokenizer, self.size, self.seed, self.context)
+        model = init if init is not None else self.new_model(self.seed)
         probe = self.probe(self.task)
         every = 25
         last = {"state": copy.deepcopy(model.state_dict()), "step": 0, "probes": 0}
@@ -465,7 +473,7 @@ class _Builder:
             teacher, teacher_seed = base, self.seed + 1  # fresh data order, the base's weights
             base = copy.deepcopy(base)
         else:
-            teacher = make_model(self.tokenizer, self.size, self.seed + 1_000, self.context)
+            teacher = self.new_model(self.seed + 1_000)
             teacher_seed = self.seed + 1_000
         teacher_steps, teacher_acc = self.sft_teacher(teacher, TEACHER_MIN + 0.02, teacher_seed)
         self.check(teacher_acc >= TEACHER_MIN, f"teacher accuracy {teacher_acc:.1%} after "
@@ -532,7 +540,7 @@ class _Builder:
                            eval_size=min(200, len(self.task.problems("test"))),
                            gate_size=min(50, len(self.task.problems("gate"))),  # unused, checked
                            stop_at_accuracy=target, output_dir=str(self.work / "drgrpo"),
-                           seed=self.seed, progress=self.progress)
+                           seed=self.seed, progress=self.progress, device=str(self.device))
         t = time.perf_counter()
         trainer = OPDTrainer(config, policy, frozen, self.task,
                              HFEngine(policy, self.tokenizer, batch_size=512), tokenizer=self.tokenizer)
@@ -571,7 +579,7 @@ class _Builder:
         the teacher: the base trained further on the mix, so it keeps the retained skills
         (a teacher SFT'd on one operation alone forgot the others)."""
         keep_mix, full_mix = _Mixture(retained), _Mixture([self.task, *retained])
-        model = make_model(self.tokenizer, self.size, self.seed, self.context)
+        model = self.new_model(self.seed)
         probes = [self.probe(t) for t in retained]
 
         def competent(m: nn.Module) -> bool:

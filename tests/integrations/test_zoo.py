@@ -69,11 +69,12 @@ def test_rl_regime_records_both_attempts_and_the_rule(tmp_path):
     assert meta["distance_ratio"] == pytest.approx(
         meta["teacher_distance"] / meta["sft_reference"]["distance"])
     assert meta["teacher_regime"] == "rl" and meta["rl_settings"] == zoo.RL_SETTINGS
-    assert meta["build_seconds"] > 0 and "drgrpo" in meta["seconds"]
+    assert meta["build_seconds"] > 0 and "drgrpo" in meta["seconds"] and meta["device"] == "cpu"
     assert pair.retention_tasks() == {}
-    # Cached: the same call loads the same build; strict and non-strict builds are apart.
+    # Cached: the same call loads the same build, whatever device is asked for (it is not in
+    # the key); strict and non-strict builds are apart.
     assert zoo.build_pair(tmp_path, "arithmetic:digits=1", teacher_regime="rl", progress=False,
-                          max_steps=2, strict=False).meta == meta
+                          max_steps=2, strict=False, device=torch.device("cpu")).meta == meta
     with pytest.raises(RuntimeError, match="gain"):
         zoo.build_pair(tmp_path, "arithmetic:digits=1", teacher_regime="rl", progress=False,
                        max_steps=2)
@@ -99,6 +100,8 @@ def test_bad_regimes():
         zoo.build_pair(teacher_regime="same-base", retain=["arithmetic"])
     with pytest.raises(ValueError, match="max_steps"):
         zoo.build_pair(max_steps=0)
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        zoo.build_pair(device="cud4")
 
 
 def test_a_base_that_jumps_past_the_range_is_retrained_from_the_last_probe(tmp_path, monkeypatch):
