@@ -118,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-teacher", default="rl", choices=("sft", "rl"), help="GPU grid: teacher")
     p.add_argument("--long-task", default=TASKS["long"], help="task spec of the long task")
     p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
-                   help="start no run after this many seconds (the json stays resumable)")
+                   help="start no run after this many seconds of runs (building the pairs is not "
+                   "counted; the json stays resumable)")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
@@ -913,20 +914,22 @@ def main(argv: list[str] | None = None) -> int:
     results.setdefault("commands", [])
     if command not in results["commands"]:
         results["commands"].append(command)
-    start = time.perf_counter()
+    ready = []
+    for name in a.names:  # every pair first: built (minutes) or loaded, then checked
+        cell = a.cell_specs[name]
+        pair = models.get(cell["task"], cell["teacher"])
+        why = (f"pair not available: {pair['error']}" if "error" in pair
+               else check_pair(results, cell, pair))
+        if why is not None:
+            results["unavailable"][name] = why
+            tqdm.write(f"regimes: skipping {name}: {why}")
+            continue
+        results["unavailable"].pop(name, None)
+        ready.append(name)
+    start = time.perf_counter()  # --budget_s is for the runs, not the builds above
     bar = tqdm(desc=f"{a.stem} runs", dynamic_ncols=True, unit="run")
     for stage in a.stage_list:
-        for name in a.names:
-            cell = a.cell_specs[name]
-            pair = models.get(cell["task"], cell["teacher"])
-            if "error" in pair:
-                results["unavailable"][name] = f"pair not available: {pair['error']}"
-                continue
-            if (why := check_pair(results, cell, pair)) is not None:
-                results["unavailable"][name] = why
-                tqdm.write(f"regimes: skipping {name}: {why}")
-                continue
-            results["unavailable"].pop(name, None)
+        for name in ready:
             while todo := pending(a, results, name, stage):
                 if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
                     tqdm.write(f"budget of {a.budget_s:.0f}s spent; rerun to continue")
