@@ -659,7 +659,10 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
 
 
 def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
-    return {name: summarize_cell(a, results, name) for name in a.cell_specs}
+    """Every cell asked for (``--cells``) or with runs in the json."""
+    ran = {r["cell"] for r in results["runs"].values()}
+    return {name: summarize_cell(a, results, name) for name in a.cell_specs
+            if name in a.names or name in ran}
 
 
 # --------------------------------------------------------------------------- report
