@@ -528,18 +528,30 @@ def stage1_lrs(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -
     for _ in range(2):
         if bt is None or any(lr not in plain for lr in lrs):
             break
-        best = min(lrs, key=lambda lr: rank_key(plain[lr][:1], bt))
-        if best != lrs[0]:
+        # A retention cell compares runs within the budget: with none yet, go lower.
+        kept = [lr for lr in lrs if within_budget(plain[lr][:1], bt)]
+        if kept and min(kept, key=lambda lr: rank_key(plain[lr][:1], bt)) != lrs[0]:
             break
         lrs.insert(0, lrs[0] / 2)
     return lrs
 
 
+def within_budget(runs: list[dict[str, Any]], bt: dict[str, Any]) -> bool:
+    """Every run kept the held-out task within ``RETENTION_BUDGET`` of the base (always true
+    outside retention cells, whose bases have no ``retention_base``)."""
+    if "retention_base" not in bt:
+        return True
+    floor = bt["retention_base"] - RETENTION_BUDGET
+    return all(r.get("extra") is not None and r["extra"] >= floor for r in runs)
+
+
 def best_lrs(results: dict[str, Any], cell_name: str, method: str, bt: dict[str, Any],
              k: int, seeds: int | None = None) -> list[float]:
-    """The ``k`` best lrs of ``method`` in the cell (by ``rank_key`` over the first ``seeds``)."""
+    """The ``k`` best lrs of ``method`` in the cell (by ``rank_key`` over the first ``seeds``;
+    in a retention cell, the lrs within the budget first)."""
     runs = cell_runs(results, cell_name, method)
-    return sorted(runs, key=lambda lr: rank_key(runs[lr][:seeds], bt))[:k]
+    return sorted(runs, key=lambda lr: (not within_budget(runs[lr][:seeds], bt),
+                                        rank_key(runs[lr][:seeds], bt)))[:k]
 
 
 def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
@@ -597,25 +609,25 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
     out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
                gain_se=bt["gain_se"], eval_n=bt["eval_n"])
     methods: dict[str, Any] = {}
+    out["per_lr"] = {}
     for method in ("plain", "effopd"):
         runs = cell_runs(results, cell_name, method)
-        if cell["kind"] == "retention":  # only lrs whose every seed kept the budget
-            floor = bt["retention_base"] - RETENTION_BUDGET
-            runs = {lr: rs for lr, rs in runs.items()
-                    if all(r.get("extra") is not None and r["extra"] >= floor for r in rs)}
+        out["per_lr"][method] = {
+            f"{lr:g}": {"seeds": [r["seed"] for r in v], "final": [r["final_accuracy"] for r in v],
+                        "degraded": [degraded(r) for r in v],
+                        **{k: [_reached(r, bt)[k] for r in v] for k in _reached(v[0], bt)},
+                        "retention": [r.get("extra") for r in v],
+                        "stopped": [bool(r.get("stopped")) for r in v]}
+            for lr, v in runs.items()}
+        # The best lr among those run on the most seeds (in a retention cell, among the lrs
+        # whose every seed kept the budget).
+        runs = {lr: rs for lr, rs in runs.items() if within_budget(rs, bt)}
         if not runs:
             continue
         n_max = max(len(rs) for rs in runs.values())
-        full = {lr: rs for lr, rs in runs.items() if len(rs) == n_max}  # best lr among most seeds
+        full = {lr: rs for lr, rs in runs.items() if len(rs) == n_max}
         best = min(full, key=lambda lr: rank_key(full[lr], bt))
         rs = full[best]
-        per_lr = {f"{lr:g}": {"seeds": [r["seed"] for r in v],
-                              "final": [r["final_accuracy"] for r in v],
-                              "degraded": [degraded(r) for r in v],
-                              **{k: [_reached(r, bt)[k] for r in v] for k in _reached(v[0], bt)},
-                              "retention": [r.get("extra") for r in v],
-                              "stopped": [bool(r.get("stopped")) for r in v]}
-                  for lr, v in runs.items()}
         cos = [c for r in rs for s, c in r.get("secant_cosines", []) if s >= 8]
         methods[method] = {
             "best_lr": best, "seeds": [r["seed"] for r in rs],
@@ -626,12 +638,14 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
                                for r in rs],
             "secant_cosine": statistics.fmean(cos) if cos else None,
             "tokens_per_step": _mean([r.get("tokens_per_step") for r in rs]),
-            "per_lr": per_lr,
         }
     out["methods"] = methods
     noise = [r for r in results["runs"].values() if r["cell"] == cell_name and r["method"] == "noise"]
     out["noise"] = noise[0].get("noise") if noise else None
     if "plain" not in methods or "effopd" not in methods:
+        if cell["kind"] == "retention":
+            out["count_reason"] = (f"no run of {' or '.join(m for m in ('plain', 'effopd') if m not in methods)}"
+                                   f" kept {RETENTION['held_out']} within {RETENTION_BUDGET:.0%} of the base")
         return {**out, "status": "partial"}
     p, e = methods["plain"], methods["effopd"]
     paired = [s for s in e["seeds"] if s in p["seeds"]]
@@ -794,8 +808,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         if c["status"] == "not run":
             continue
         rows = []
-        for method, v in c["methods"].items():
-            for lr, d in v["per_lr"].items():
+        for method, per_lr in c["per_lr"].items():
+            for lr, d in per_lr.items():
                 cells = [" / ".join("—" if d[f"steps_{fr:g}"][i] is None else str(d[f"steps_{fr:g}"][i])
                                     for fr in FRACTIONS) for i in range(len(d["seeds"]))]
                 ret = "" if all(x is None for x in d["retention"]) else (

@@ -153,3 +153,28 @@ def test_retention_gate_rejects_every_jump_past_the_budget():
         assert run["gate_evals"] > 0
     assert len(kept[-1.0]) == 2 and all(c is not None for c in kept[-1.0])
     assert kept[2.0] == [None, None]
+
+
+def test_a_retention_cell_goes_lower_until_a_plain_run_keeps_the_budget():
+    args = regimes.parse_args(["--cells", "short-512/retention/adamw"])
+    name = "short-512/retention/adamw"
+    lrs = args.cell_specs[name]["lrs"]
+    bt = {"base": 0.3, "teacher": 0.9, "gain": 0.6, "retention_base": 0.97,
+          "targets": {f"{f:g}": 0.3 + f * 0.6 for f in regimes.FRACTIONS}}
+    results = {"bases": {f"{regimes.RETENTION['task']}|retention|0": bt}, "runs": {}}
+
+    def add(lr, kept, final=0.9):
+        results["runs"][regimes.run_key(name, "plain", lr, 0)] = {
+            "cell": name, "method": "plain", "lr": lr, "seed": 0, "extra": kept,
+            "evals": [[0, 0.3], [100, final]], "final_accuracy": final, "crashed": None,
+            "train_seconds": {"0": 0.0, "100": 1.0}}
+
+    for lr in lrs:
+        add(lr, kept=0.05)  # every lr fast, none within 2 points of 97%
+    for top in (lrs[-1] * 2, lrs[-1] * 4):
+        add(top, kept=0.01, final=0.2)
+    assert regimes.stage1_lrs(args, results, name)[0] == lrs[0] / 2
+    add(lrs[0] / 2, kept=0.96, final=0.5)  # within the budget, and the best there: lower again
+    assert regimes.stage1_lrs(args, results, name)[:2] == [lrs[0] / 4, lrs[0] / 2]
+    assert regimes.best_lrs(results, name, "plain", bt, 1) == [lrs[0] / 2]
+    assert not regimes.within_budget([results["runs"][regimes.run_key(name, "plain", lrs[0], 0)]], bt)
