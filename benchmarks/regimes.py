@@ -16,7 +16,8 @@ Staged, so the most informative runs come first and a budget cut leaves a usable
   best is the lowest);
 - ``noise``: the gradient-noise scale ``B_noise = tr(Σ)/|G|²`` at plain's best lr (see
   ``NoiseProbe``), and every run records its secant cosine (``SecantProbe``);
-- stage 2: seeds 1 and 2 at each method's two best stage-1 lrs.
+- stage 2: seeds 1 and 2 at each method's two best stage-1 lrs (SGD: the best; the retention
+  cell: the three best, those within its budget first).
 
 A cell counts when plain at its best lr reaches 75% of the gain on every seed and the gain is
 at least 5 eval standard errors. Results are rewritten after every run and a rerun skips the
@@ -88,7 +89,7 @@ def _cells() -> dict[str, dict[str, Any]]:
             add(level, teacher, "adamw", ADAMW_LRS)
     for level in ("long-128", "short-512"):  # the two upper levels
         add(level, "rl", "sgd", SGD_LRS, stage2="best")
-    add("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention", stage2="all")
+    add("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention", stage2="three-best")
     return cells
 
 
@@ -583,7 +584,7 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
         if run_key(cell_name, "noise", lr, 0) not in done:
             todo.append(("noise", lr, 0, True))
         return todo
-    k = min({"two-best": 2, "best": 1, "all": 99, "none": 0}[cell["stage2"]], a.stage2_lrs)
+    k = min({"three-best": 3, "two-best": 2, "best": 1, "none": 0}[cell["stage2"]], a.stage2_lrs)
     for method in ("plain", "effopd"):
         for lr in best_lrs(results, cell_name, method, bt, k, seeds=1):
             for seed in a.stage2_seeds:
