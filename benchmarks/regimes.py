@@ -220,14 +220,17 @@ def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, An
         if cell["kind"] == "retention" or not old or math.isclose(old[0], pair["accuracies"]["teacher"]):
             results["pairs"][key] = record
             return None
-        seen = {"build": "?", "accuracies": {"teacher": old[0]}}
+        seen = {"build": "an earlier build", "accuracies": {"teacher": old[0]}}
     common = [k for k, v in record["accuracies"].items()
               if isinstance(v, float) and isinstance(seen["accuracies"].get(k), float)]
     if all(math.isclose(seen["accuracies"][k], record["accuracies"][k]) for k in common):
         return None
-    return (f"the zoo pair {pair['build']} (accuracies {record['accuracies']}) is not the one "
-            f"the json's {key} runs used ({seen['build']}: {seen['accuracies']}); write this study "
-            "elsewhere with --out, or start over with --fresh")
+    def accs(d: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {v:.1%}" for k, v in d.items() if isinstance(v, float))
+
+    return (f"the zoo pair here ({pair['build']}: {accs(record['accuracies'])}) is not the one the "
+            f"json's {key} runs used ({seen['build']}: {accs(seen['accuracies'])}); write this "
+            "study elsewhere with --out, or start over with --fresh")
 
 
 def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
@@ -608,7 +611,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
     if bt is None or not any(r["cell"] == cell_name for r in results["runs"].values()):
         return {**out, "status": "not run"}
     out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
-               gain_se=bt["gain_se"], eval_n=bt["eval_n"])
+               gain_se=bt["gain_se"], eval_n=bt["eval_n"], retention_base=bt.get("retention_base"))
     methods: dict[str, Any] = {}
     out["per_lr"] = {}
     for method in ("plain", "effopd"):
@@ -646,7 +649,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
     if "plain" not in methods or "effopd" not in methods:
         if cell["kind"] == "retention":
             out["count_reason"] = (f"no run of {' or '.join(m for m in ('plain', 'effopd') if m not in methods)}"
-                                   f" kept {RETENTION['held_out']} within {RETENTION_BUDGET:.0%} of the base")
+                                   f" kept {RETENTION['held_out']} within {100 * RETENTION_BUDGET:g} points of the base")
         return {**out, "status": "partial"}
     p, e = methods["plain"], methods["effopd"]
     paired = [s for s in e["seeds"] if s in p["seeds"]]
@@ -738,6 +741,23 @@ def verdict(summary: dict[str, Any]) -> str:
             f"90% was not reached by both); {big}.{note}")
 
 
+def retention_line(name: str, c: dict[str, Any]) -> str:
+    """A retention cell's result in one paragraph: how much of the held-out task the runs kept."""
+    if c.get("kind") != "retention" or c["status"] == "not run":
+        return ""
+    kept = [(float(lr), x) for per_lr in c["per_lr"].values() for lr, d in per_lr.items()
+            for x in d["retention"] if x is not None]
+    if not kept:
+        return ""
+    lo, hi = min(x for _, x in kept), max(x for _, x in kept)
+    lrs = sorted({lr for lr, _ in kept})
+    within = "No run of either method" if c["status"] == "partial" else "Some runs"
+    return (f"**Retention ({name}).** {within} at lrs {lrs[0]:g}–{lrs[-1]:g} kept "
+            f"{RETENTION['held_out']} within {100 * RETENTION_BUDGET:g} points of the base's "
+            f"{c['retention_base']:.1%}: after the runs it was at {lo:.1%}–{hi:.1%}. The gate "
+            "refuses jumps that cost the held-out task; the optimizer's own steps cost it anyway.\n")
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     s, m, cfg = results["summary"], results["machine"], results["config"]
     counted = [n for n, c in s.items() if c.get("counts")]
@@ -745,8 +765,9 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "# The regime map: EffOPD vs plain OPD at its best learning rate",
         "",
         "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands", [m.get("command")]))
-        + f" at {m.get('git_commit')} on {m.get('cpu_model')} "
-        f"({m.get('device')}, torch {m.get('torch')}, {m.get('torch_threads')} thread). Full-vocabulary "
+        + f" (runs written with `--out` elsewhere were merged in), last at {m.get('git_commit')}, on "
+        + " and ".join(results.get("machines") or [m.get("cpu_model")])
+        + f" ({m.get('device')}, torch {m.get('torch')}, {m.get('torch_threads')} thread). Full-vocabulary "
         f"reverse KL; zoo size `{cfg['size']}`; eval every {cfg['eval_every']} steps on "
         f"min({cfg['eval_size']}, the test split) held-out problems; runs stop at "
         f"{STOP_FRACTION:.0%} of the teacher's gain over the base (cap {cfg['max_steps']} steps). "
@@ -764,6 +785,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"every seed and the gain is ≥{MIN_GAIN_SE:g} eval standard errors): "
         f"{', '.join(counted) or 'none'}.",
         "",
+        *[line for name, c in s.items() if (line := retention_line(name, c))],
         "## The map",
         "",
     ]
@@ -921,13 +943,19 @@ def main(argv: list[str] | None = None) -> int:
         results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
         results["pairs"], results["unavailable"] = old.get("pairs", {}), old.get("unavailable", {})
         results["commands"] = old.get("commands", [])
+        # The machines the runs so far ran on (a json from before this record: its last one).
+        results["machines"] = old.get("machines") or [old.get("machine", {}).get("cpu_model")]
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
     results["machine"] = machine_info(torch.device(a.device))
-    if a.report_only:
+    if a.report_only:  # a report is not a run: the machines list is left as it is
+        results.setdefault("machines", [results["machine"]["cpu_model"]])
         save(a, results, out)
         return 0
     models = Models(a)
+    machines = results.setdefault("machines", [])
+    if results["machine"]["cpu_model"] not in machines:
+        machines.append(results["machine"]["cpu_model"])
     command = machine_info(torch.device(a.device))["command"]
     results.setdefault("commands", [])
     if command not in results["commands"]:

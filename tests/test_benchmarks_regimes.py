@@ -92,7 +92,8 @@ def test_a_rebuilt_pair_that_differs_is_refused(smoke, monkeypatch):
     pair = {"build": "b", "accuracies": {"teacher": 0.5}}
     assert regimes.check_pair(legacy, cell, pair) is None and legacy["pairs"][key]["build"] == "b"
     legacy = {"pairs": {}, "bases": {f"{key}|0": {"teacher": 0.5}}}
-    assert "0.4" in regimes.check_pair(legacy, cell, {**pair, "accuracies": {"teacher": 0.4}})
+    why = regimes.check_pair(legacy, cell, {**pair, "accuracies": {"teacher": 0.4}})
+    assert "(b: teacher 40.0%)" in why and "(an earlier build: teacher 50.0%)" in why
 
 
 def test_verdict_names_a_cell_only_when_every_paired_seed_clears_the_bar():
