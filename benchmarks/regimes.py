@@ -125,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
     p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
+    p.add_argument("--note", default=None, help="a paragraph for the report, under its title "
+                   "(kept in the json: later runs into the same --out keep it)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
     a = p.parse_args(argv)
     a.stem, a.cell_specs, a.run_limit_s = STEM, dict(CELLS), None
@@ -764,6 +766,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     lines = [
         "# The regime map: EffOPD vs plain OPD at its best learning rate",
         "",
+        *([results["note"], ""] if results.get("note") else []),
         "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands", [m.get("command")]))
         + f" (runs written with `--out` elsewhere were merged in), last at {m.get('git_commit')}, on "
         + " and ".join(results.get("machines") or [m.get("cpu_model")])
@@ -901,6 +904,8 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
         f = c.get("verdict_fraction")
         text = c["status"] if c["status"] in ("not run", "partial") else (
             "no ratio: 50% of the gain\nnot reached by both")
+        if c["kind"] == "retention" and c["status"] == "partial":
+            text = f"no run kept the held-out\ntask within {100 * RETENTION_BUDGET:g} points"
         if f is not None:
             vals = [v for v in c["ratios"][f"steps_{f:g}"] if v is not None]
             grid[i, j] = min(vals)
@@ -945,6 +950,10 @@ def main(argv: list[str] | None = None) -> int:
         results["commands"] = old.get("commands", [])
         # The machines the runs so far ran on (a json from before this record: its last one).
         results["machines"] = old.get("machines") or [old.get("machine", {}).get("cpu_model")]
+    if a.note is not None:
+        results["note"] = a.note
+    elif old is not None and old.get("note"):
+        results["note"] = old["note"]
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
     results["machine"] = machine_info(torch.device(a.device))
