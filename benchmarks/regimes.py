@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="budget cut: stage 2 at each method's N best lrs at most")
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--warmup-steps", type=int, default=4, help="linear lr warmup of every run")
     p.add_argument("--eval-size", type=int, default=EVAL_SIZE)
     p.add_argument("--noise-steps", type=int, default=24, help="steps averaged for B_noise")
     p.add_argument("--noise-micro", type=int, default=8, help="micro-batches per step for B_noise")
@@ -357,7 +358,7 @@ def config_for(a: argparse.Namespace, cell: dict[str, Any], method: str, lr: flo
     eff = {**EFFOPD, "gate_size": a.gate_size} if method == "effopd" else {}
     return OPDConfig(
         task=cell["task"], output_dir=f"/tmp/lookahead-opd-{a.stem}/{method}-{lr:g}-{seed}",
-        max_steps=a.max_steps, batch_size=cell["prompts"], learning_rate=lr, warmup_steps=4,
+        max_steps=a.max_steps, batch_size=cell["prompts"], learning_rate=lr, warmup_steps=a.warmup_steps,
         loss=LOSS, eval_every=a.eval_every, eval_size=len(eval_problems(_task(cell["task"]),
                                                                         a.eval_size, seed)), seed=seed,
         stop_at_accuracy=target, device=a.device, progress=False, **opt, **eff, **extra)
@@ -771,7 +772,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         + f" (runs written with `--out` elsewhere were merged in), last at {m.get('git_commit')}, on "
         + " and ".join(results.get("machines") or [m.get("cpu_model")])
         + f" ({m.get('device')}, torch {m.get('torch')}, {m.get('torch_threads')} thread). Full-vocabulary "
-        f"reverse KL; zoo size `{cfg['size']}`; eval every {cfg['eval_every']} steps on "
+        f"reverse KL; zoo size `{cfg['size']}`; lr warmup {cfg.get('warmup_steps', 4)} steps; "
+        f"eval every {cfg['eval_every']} steps on "
         f"min({cfg['eval_size']}, the test split) held-out problems; runs stop at "
         f"{STOP_FRACTION:.0%} of the teacher's gain over the base (cap {cfg['max_steps']} steps). "
         "EffOPD: −reverse-KL gate on fixed rollouts, geometric c, searches at steps 1, 2, 4, 8, …; "
