@@ -959,14 +959,13 @@ def main(argv: list[str] | None = None) -> int:
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
     results["machine"] = machine_info(torch.device(a.device))
-    if a.report_only:  # a report is not a run: the machines list is left as it is
-        results.setdefault("machines", [results["machine"]["cpu_model"]])
+    machines = results.setdefault("machines", [])
+    if not (a.report_only and machines) and results["machine"]["cpu_model"] not in machines:
+        machines.append(results["machine"]["cpu_model"])  # a report alone is not a run
+    if a.report_only:
         save(a, results, out)
         return 0
     models = Models(a)
-    machines = results.setdefault("machines", [])
-    if results["machine"]["cpu_model"] not in machines:
-        machines.append(results["machine"]["cpu_model"])
     command = machine_info(torch.device(a.device))["command"]
     results.setdefault("commands", [])
     if command not in results["commands"]:

@@ -421,7 +421,7 @@ class _Builder:
         self.tokenizer.save_pretrained(self.work / role)
 
     def base(self, target: float, task: Task | None = None, init: nn.Module | None = None,
-             phase: str = "base", ceiling: float = 1.0) -> tuple[nn.Module, int]:
+             phase: str = "base", ceiling: float = 1.0) -> tuple[nn.Module, int, float]:
         """Train (a fresh model, or ``init``) on ``task`` (default the pair's) until the probe of
         the pair's task reaches ``target``: the steep part of the learning curve (accuracy jumps
         between probes, so not its top). From a base near 8% the teacher was 2700 SFT steps
@@ -430,7 +430,7 @@ class _Builder:
         Where the curve is so steep that one probe interval jumps past ``ceiling`` (on
         ``longadd`` 25 steps took a base from under 25% to 57%), the model goes back to the last
         probe under ``target`` and retrains from there with a probe every 5 steps. Builds that
-        landed under the ceiling are unchanged."""
+        landed under the ceiling are unchanged. Returns (model, steps, test accuracy)."""
         model = init if init is not None else self.new_model(self.seed)
         probe = self.probe(self.task)
         every = 25
@@ -444,20 +444,21 @@ class _Builder:
             return False
 
         steps = self.train(phase, model, task or self.task, seed=self.seed, eval_every=every, stop=stop)
-        if self.acc(model, self.task) > ceiling:
+        acc = self.acc(model, self.task)
+        if acc > ceiling:
             model.load_state_dict(last["state"])
             steps = last["step"] + self.train(
                 f"{phase}-fine", model, task or self.task, seed=self.seed + 1, eval_every=5,
                 stop=lambda m: self.acc(m, self.task, probe) >= target)
-        return model, steps
+            acc = self.acc(model, self.task)
+        return model, steps, acc
 
     def student(self, target: float, accuracy_range: tuple[float, float], what: str,
                 hint: str = "") -> tuple[nn.Module, int, float]:
         """The base trained to ``target`` (``base``), checked to land in ``accuracy_range``
         and saved as the pair's student: (model, steps, accuracy)."""
         lo, hi = accuracy_range
-        base, steps = self.base(target, ceiling=hi)
-        acc = self.acc(base, self.task)
+        base, steps, acc = self.base(target, ceiling=hi)
         self.check(lo <= acc <= hi, f"{what} accuracy {acc:.1%} after {steps} steps is outside "
                    f"[{lo:.0%}, {hi:.0%}]{hint}")
         self.save(base, "student")
@@ -486,10 +487,16 @@ class _Builder:
                 "seconds": self.seconds}
 
     def sft_teacher(self, model: nn.Module, target: float, seed: int, phase: str = "teacher",
-                    task: Task | None = None) -> tuple[int, float]:
+                    task: Task | None = None, holds: Any = None) -> tuple[int, float]:
+        """SFT ``model`` until the probe reaches ``target`` (and ``holds(model)``, when given,
+        is true at the same probe): (steps, test accuracy)."""
         probe = self.probe(self.task)
-        steps = self.train(phase, model, task or self.task, seed=seed, eval_every=100 if target > 0.9 else 25,
-                           stop=lambda m: self.acc(m, self.task, probe) >= target)
+
+        def stop(m: nn.Module) -> bool:
+            return self.acc(m, self.task, probe) >= target and (holds is None or holds(m))
+
+        steps = self.train(phase, model, task or self.task, seed=seed,
+                           eval_every=100 if target > 0.9 else 25, stop=stop)
         return steps, self.acc(model, self.task)
 
     def rl(self) -> dict[str, Any]:
@@ -589,16 +596,17 @@ class _Builder:
         retain_steps = self.train("base-retained", model, keep_mix, seed=self.seed, eval_every=100,
                                   stop=competent)
         lo, hi = BASE_RANGE
-        base, base_steps = self.base(SFT_BASE_TARGET, task=full_mix, init=model, phase="base-mix",
-                                     ceiling=hi)
-        if not all(self.acc(base, t) >= RETAIN_MIN for t in retained):
+        base, base_steps, base_acc = self.base(SFT_BASE_TARGET, task=full_mix, init=model,
+                                               phase="base-mix", ceiling=hi)
+        kept = {spec: {"student": self.acc(base, t)} for spec, t in zip(specs, retained, strict=True)}
+        if any(k["student"] < RETAIN_MIN for k in kept.values()):
             # The mix's first steps can cost the retained tasks a few points (+ fell to 86.4% in
             # one build): train on them alone until competent again.
             retain_steps += self.train("base-retained-again", base, keep_mix, seed=self.seed + 1,
                                        eval_every=25, stop=competent)
-        base_acc = self.acc(base, self.task)
+            base_acc = self.acc(base, self.task)
+            kept = {spec: {"student": self.acc(base, t)} for spec, t in zip(specs, retained, strict=True)}
         self.check(lo <= base_acc <= hi, f"base accuracy {base_acc:.1%} is outside [{lo:.0%}, {hi:.0%}]")
-        kept = {spec: {"student": self.acc(base, t)} for spec, t in zip(specs, retained, strict=True)}
         for spec, k in kept.items():
             self.check(k["student"] >= RETAIN_MIN, f"base accuracy on {spec} {k['student']:.1%} "
                        f"is below {RETAIN_MIN:.0%}")
@@ -607,16 +615,13 @@ class _Builder:
         # The mix at SFT's lr moves the retained tasks by a few points either way from probe to
         # probe (+ was at 91.7% against the base's 97.2% in one build when − reached the bar),
         # so the teacher stops where both hold, not at the first probe where − does.
-        probe = self.probe(self.task)
         floors = [self.acc(base, t, p) - RETENTION_BUDGET + 0.01 for t, p in zip(retained, probes, strict=True)]
 
-        def taught(m: nn.Module) -> bool:
-            return self.acc(m, self.task, probe) >= TEACHER_MIN + 0.02 and all(
-                self.acc(m, t, p) >= f for t, p, f in zip(retained, probes, floors, strict=True))
+        def keeps(m: nn.Module) -> bool:
+            return all(self.acc(m, t, p) >= f for t, p, f in zip(retained, probes, floors, strict=True))
 
-        teacher_steps = self.train("teacher", teacher, full_mix, seed=self.seed + 1, eval_every=100,
-                                   stop=taught)
-        teacher_acc = self.acc(teacher, self.task)
+        teacher_steps, teacher_acc = self.sft_teacher(teacher, TEACHER_MIN + 0.02, self.seed + 1,
+                                                      task=full_mix, holds=keeps)
         self.check(teacher_acc >= TEACHER_MIN, f"teacher accuracy {teacher_acc:.1%} is below "
                    f"{TEACHER_MIN:.0%}")
         for spec, t in zip(specs, retained, strict=True):

@@ -131,8 +131,8 @@ def test_a_base_that_jumps_past_the_range_is_retrained_from_the_last_probe(tmp_p
     model = zoo.make_model(builder.tokenizer, "tiny", 0)
     start = float(next(model.parameters()).detach().view(-1)[0])
     coarse = zoo.make_model(builder.tokenizer, "tiny", 0)
-    _, coarse_steps = builder.base(0.25, init=coarse)  # no ceiling: the overshoot is kept
+    _, coarse_steps, _ = builder.base(0.25, init=coarse)  # no ceiling: the overshoot is kept
     assert coarse_steps == 450 and builder.acc(coarse, None) == pytest.approx(0.6)
-    _, steps = builder.base(0.25, init=model, ceiling=0.40)
+    _, steps, _ = builder.base(0.25, init=model, ceiling=0.40)
     # Back to step 425 (the last probe under 0.25), then probes at 430, 435: 0.2, 0.3.
     assert steps == 435 and builder.acc(model, None) == pytest.approx(0.3)
