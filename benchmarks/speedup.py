@@ -65,7 +65,7 @@ PAIRS: dict[str, tuple[str, str, str]] = {
 
 _EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
 _PAPER = dict(extrapolate=True, gate="accuracy", gate_size=50, coefficients="linear",
-              extrapolate_params="blocks")
+              extrapolate_params="transformer_blocks")
 
 
 def _variants() -> dict[str, dict[str, Any]]:
@@ -91,7 +91,7 @@ def _variants() -> dict[str, dict[str, Any]]:
     add("rl+effopd", "methods", 3, loss="drgrpo", num_samples=4, batch_size=16, extrapolate=True,
         gate="accuracy", gate_size=50)
     add("lowrank", "options", 2, **_EFFOPD, snapshot="lowrank", rank=4)
-    add("blocks", "options", 2, **_EFFOPD, extrapolate_params="blocks")
+    add("blocks", "options", 2, **_EFFOPD, extrapolate_params="transformer_blocks")
     add("acc50", "options", 2, **{**_EFFOPD, "gate": "accuracy", "gate_size": 50})
     add("gate256", "options", 2, **{**_EFFOPD, "gate_size": 256})
     add("averaged", "options", 2, **_EFFOPD, direction="averaged")

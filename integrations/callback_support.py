@@ -13,7 +13,7 @@ from torch import nn
 
 from lookahead_opd import ExtrapolationOptions, Extrapolator, JumpRecord, Summary
 from lookahead_opd.extrapolator import ParamsSpec
-from lookahead_opd.selection import trainable, transformer_blocks
+from lookahead_opd.selection import PARAM_SELECTORS
 from lookahead_opd.snapshot import SnapshotStore
 
 __all__ = ["LOG_PREFIX", "PARAM_SELECTORS", "RESERVED_OPTIONS", "check_extrapolator_options",
@@ -22,11 +22,6 @@ __all__ = ["LOG_PREFIX", "PARAM_SELECTORS", "RESERVED_OPTIONS", "check_extrapola
 LOG_PREFIX = "extrapolation/"
 # Options a callback sets itself: the params, the gate and the framework's optimizer.
 RESERVED_OPTIONS = ("params", "eval_fn", "optimizer")
-# What ``params=`` may name: which of the model's parameters to extrapolate.
-PARAM_SELECTORS: dict[str, Callable[[nn.Module], ParamsSpec]] = {
-    "trainable": trainable,
-    "transformer_blocks": transformer_blocks,
-}
 
 
 def param_selector(params: str | Callable[[nn.Module], ParamsSpec]

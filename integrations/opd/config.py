@@ -24,7 +24,7 @@ from lookahead_opd.options import (
     config_fields,
     option,
 )
-from lookahead_opd.selection import transformer_blocks
+from lookahead_opd.selection import PARAM_SELECTORS
 
 from ..cli_support import check_device, check_model_ref, check_output_dir
 from .losses import LOSSES
@@ -34,8 +34,6 @@ __all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "wit
 _ENGINES = ("hf", "vllm")
 _OPTIMIZERS = ("adamw", "adam", "sgd")
 _GATES = ("accuracy", "neg_kl", "none")
-# extrapolate_params: the name and the parameters it selects.
-_PARAM_SETS = {"all": None, "blocks": transformer_blocks}
 DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
 _FSDP_TEACHER = ("replicate", "shard")
@@ -96,8 +94,9 @@ class OPDConfig(EffOPDOptions):
                        "teacher on fixed rollouts; none: ungated, every candidate kept, a fixed "
                        "ExPO-style jump)", choices=_GATES)
     gate_size: int = option(50, "problems in the fixed gate set", minimum=1)
-    extrapolate_params: str = option("all", "which weights jump (blocks: attention and MLP weights "
-                                     "only, as the paper's code)", choices=tuple(_PARAM_SETS))
+    extrapolate_params: str = option("trainable", "which weights jump (transformer_blocks: "
+                                     "attention and MLP weights only, as the paper's code)",
+                                     choices=tuple(PARAM_SELECTORS))
     # evaluation, checkpoints, logging
     eval_every: int = option(10, "evaluate greedy accuracy every N steps (0: only at the end)", minimum=0)
     eval_size: int = option(200, "problems in the held-out eval set", minimum=1)
@@ -190,9 +189,9 @@ class OPDConfig(EffOPDOptions):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(EffOPDOptions)}
 
     def extrapolation_params(self, model: Any) -> Any:
-        """``params=`` of the ``ExtrapolatingOptimizer``: None (all trainable) or the blocks."""
-        select = _PARAM_SETS[self.extrapolate_params]
-        return None if select is None else select(model)
+        """``params=`` of the ``ExtrapolatingOptimizer``: the ``extrapolate_params`` selection
+        of ``model``'s parameters."""
+        return PARAM_SELECTORS[self.extrapolate_params](model)
 
     def report_to_list(self) -> list[str]:
         return [s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none"]

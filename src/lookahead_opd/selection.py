@@ -7,12 +7,12 @@ code extrapolates only the attention and MLP weights of the transformer blocks (
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import Tensor, nn
 
 __all__ = ["ATTENTION_KEYWORDS", "MLP_KEYWORDS", "BLOCK_KEYWORDS", "is_block_param",
-           "transformer_blocks", "trainable"]
+           "transformer_blocks", "trainable", "PARAM_SELECTORS"]
 
 # The substrings the paper's ``_should_modify_param`` matches (EffOPD fsdp_workers.py), the
 # attention ones and the MLP ones. Note that ``post_attention_layernorm`` matches through
@@ -60,3 +60,11 @@ def transformer_blocks(
 def trainable(model: nn.Module) -> list[tuple[str, Tensor]]:
     """``(name, parameter)`` pairs of every parameter of ``model`` that requires grad."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# The names a caller may give for which parameters jump, one per rule: the callbacks' ``params=``
+# and the OPD loop's ``--extrapolate_params`` both take these.
+PARAM_SELECTORS: dict[str, Callable[[nn.Module], list[tuple[str, Tensor]]]] = {
+    "trainable": trainable,
+    "transformer_blocks": transformer_blocks,
+}

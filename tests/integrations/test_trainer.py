@@ -147,7 +147,7 @@ def test_ungated_fixed_jump_is_exactly_w_plus_alpha_delta(tmp_path, tokenizer):
 
 def test_blocks_only_leaves_embeddings_and_head_out_of_jumps(tmp_path, tokenizer):
     t = _trainer(tmp_path, tokenizer, extrapolate=True, gate="none", coefficients="1",
-                 max_candidates=1, extrapolate_params="blocks")
+                 max_candidates=1, extrapolate_params="transformer_blocks")
     names = set(t.optimizer.extrapolator._names)
     assert names and all(("mlp" in n or "attn" in n or "attention" in n) for n in names)
     assert not any("embed" in n or "lm_head" in n for n in names)
