@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json, "
+                   "with the options its runs were made with")
     p.add_argument("--note", default=None, help="a paragraph for the report, under its title "
                    "(kept in the json: later runs into the same --out keep it)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
@@ -170,6 +171,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown stage(s) {bad}; known: 1, noise, 2")
     return a
+
+
+# The options that shape the runs and what the report says of them (``--report-only`` takes
+# them from the json, so a rewrite does not relabel the runs with this call's defaults).
+RUN_OPTIONS = ("cells", "stages", "effopd_lrs", "stage2_lrs", "max_steps", "eval_every",
+               "warmup_steps", "eval_size", "noise_steps", "noise_micro", "size", "device", "grid",
+               "gpu_prompts", "gpu_teacher", "long_task", "smoke")
+
+
+def report_args(a: argparse.Namespace, config: dict[str, Any]) -> argparse.Namespace:
+    """``a`` with the run options of a json's ``config``, for ``--report-only``."""
+    argv = ["--out", a.out, "--report-only"]
+    for key in RUN_OPTIONS:
+        value = config.get(key)
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return parse_args(argv)
 
 
 # --------------------------------------------------------------------------- models
@@ -606,6 +626,13 @@ def _mean(xs: list[float | None]) -> float | None:
     return statistics.fmean(xs) if xs and all(x is not None for x in xs) else None
 
 
+def gate_share(run: dict[str, Any]) -> float | None:
+    """The share of a run's training clock its gate took (0 for plain OPD)."""
+    clock = run["train_seconds"]
+    total = clock[max(clock, key=int)] if clock else 0.0
+    return run["gate_seconds"] / total if total > 0 else None
+
+
 def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:
     cell = a.cell_specs[cell_name]
     bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
@@ -645,6 +672,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
                                for r in rs],
             "secant_cosine": statistics.fmean(cos) if cos else None,
             "tokens_per_step": _mean([r.get("tokens_per_step") for r in rs]),
+            "gate_share": [gate_share(r) for r in rs],
         }
     out["methods"] = methods
     noise = [r for r in results["runs"].values() if r["cell"] == cell_name and r["method"] == "noise"]
@@ -744,6 +772,24 @@ def verdict(summary: dict[str, Any]) -> str:
             f"90% was not reached by both); {big}.{note}")
 
 
+def gate_line(summary: dict[str, Any]) -> str:
+    """What the gate cost where it bought nothing: its share of EffOPD's clock at its best lr."""
+    per_cell = {name: [x for x in c["methods"]["effopd"]["gate_share"] if x is not None]
+                for name, c in summary.items()
+                if c.get("counts") and "effopd" in c.get("methods", {})}
+    per_cell = {k: v for k, v in per_cell.items() if v}
+    if not per_cell:
+        return ""
+    every = [x for v in per_cell.values() for x in v]
+    cells = "; ".join(f"{k} {_rng([100 * x for x in v], '{:.1f}')}%" for k, v in per_cell.items())
+    return (f"**What the gate cost.** At EffOPD's best lr in the counted cells its gate took "
+            f"{100 * min(every):.1f}–{100 * max(every):.1f}% of its training clock: {cells}. A "
+            f"search scores the same {EFFOPD['gate_size']} fixed rollouts once for the current weights and "
+            "once per candidate (two evaluations when the first is refused) whatever the batch, "
+            "and searches come at steps 1, 2, 4, 8, …, so the share is largest where a step is "
+            "cheap (few prompts per step) or a run stops after a few dozen steps.\n")
+
+
 def retention_line(name: str, c: dict[str, Any]) -> str:
     """A retention cell's result in one paragraph: how much of the held-out task the runs kept."""
     if c.get("kind") != "retention" or c["status"] == "not run":
@@ -790,6 +836,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"every seed and the gain is ≥{MIN_GAIN_SE:g} eval standard errors): "
         f"{', '.join(counted) or 'none'}.",
         "",
+        *[line for line in [gate_line(s)] if line],
         *[line for name, c in s.items() if (line := retention_line(name, c))],
         "## The map",
         "",
@@ -797,7 +844,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     headers = ["cell", "tokens/step", "B_noise (prompts / tokens)", "base → teacher", "counts",
                "plain best lr", "EffOPD best lr", "steps to 50/75/90% plain", "EffOPD",
                "seconds to that fraction, plain", "EffOPD", "paired ratio (steps) at", "seconds ratio",
-               "EffOPD jumps kept / searches",
+               "EffOPD gate share of its clock", "EffOPD jumps kept / searches",
                "secant cos (plain, s≥8)", "status"]
     rows = []
     for name, c in s.items():
@@ -822,6 +869,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
             "—" if e is None or f is None else _rng(e[f"seconds_{f:g}"], "{:.1f}"),
             "—" if f is None else f"{f:.0%}: {_ratios(c['ratios'][f'steps_{f:g}'])}",
             "—" if f is None else _ratios(c["ratios"][f"seconds_{f:g}"]),
+            "—" if e is None or None in e["gate_share"] else _rng([100 * x for x in e["gate_share"]], "{:.1f}%"),
             "—" if e is None else ", ".join(f"{len(k)}/{n}" for k, n in zip(
                 e["accepted_jumps"], e["searches"], strict=True)),
             "—" if p is None or p["secant_cosine"] is None else f"{p['secant_cosine']:.2f}",
@@ -952,19 +1000,24 @@ def main(argv: list[str] | None = None) -> int:
         results["commands"] = old.get("commands", [])
         # The machines the runs so far ran on (a json from before this record: its last one).
         results["machines"] = old.get("machines") or [old.get("machine", {}).get("cpu_model")]
+    if a.report_only:
+        if old is None:
+            raise SystemExit(f"regimes: --report-only: no {a.stem}.json in {out}")
+        a = report_args(a, old.get("config", {}))
     if a.note is not None:
         results["note"] = a.note
     elif old is not None and old.get("note"):
         results["note"] = old["note"]
     results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
-    results["machine"] = machine_info(torch.device(a.device))
-    machines = results.setdefault("machines", [])
-    if not (a.report_only and machines) and results["machine"]["cpu_model"] not in machines:
-        machines.append(results["machine"]["cpu_model"])  # a report alone is not a run
-    if a.report_only:
+    if a.report_only:  # a report alone is not a run: the machine and commit stay the runs'
+        results["machine"] = old["machine"]
         save(a, results, out)
         return 0
+    results["machine"] = machine_info(torch.device(a.device))
+    machines = results.setdefault("machines", [])
+    if results["machine"]["cpu_model"] not in machines:
+        machines.append(results["machine"]["cpu_model"])
     models = Models(a)
     command = machine_info(torch.device(a.device))["command"]
     results.setdefault("commands", [])

@@ -48,6 +48,9 @@ def test_smoke_writes_the_staged_grid(smoke):
     assert s["status"] == "stage 2 done" and s["paired_seeds"] == [0, 1]
     assert set(s["methods"]) == {"plain", "effopd"} and s["noise"] == n
     assert set(s["ratios"]) == {f"{w}_{f:g}" for w in ("steps", "seconds") for f in regimes.FRACTIONS}
+    # The gate's share of EffOPD's clock: plain has no gate; EffOPD's searched, inside its clock.
+    assert s["methods"]["plain"]["gate_share"] == [0.0, 0.0]
+    assert all(0 < x < 1 for x in s["methods"]["effopd"]["gate_share"])
     md = (smoke / "regimes-smoke.md").read_text()
     assert "**Verdict.**" in md and "## The map" in md and "## Not run" in md and name in md
     assert (smoke / "regimes-smoke_map.png").stat().st_size > 0
@@ -63,6 +66,20 @@ def test_rerun_skips_finished_runs(smoke, monkeypatch):
     assert regimes.main(["--smoke", "--out", str(smoke)]) == 0
     after = json.loads((smoke / "regimes-smoke.json").read_text())
     assert after["runs"] == before and after["summary"]
+
+
+def test_report_only_keeps_the_runs_options_and_machine(smoke, tmp_path, monkeypatch):
+    """A rewrite of the report says what the runs were made with, not this call's defaults."""
+    results = json.loads((smoke / "regimes-smoke.json").read_text())
+    results["config"]["warmup_steps"] = 3
+    results["machine"]["git_commit"] = "abc123"
+    (tmp_path / "regimes-smoke.json").write_text(json.dumps(results))
+    monkeypatch.setattr(regimes, "run_one", lambda *args, **kwargs: pytest.fail("a run"))
+    assert regimes.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
+    md = (tmp_path / "regimes-smoke.md").read_text()
+    assert "lr warmup 3 steps" in md and "last at abc123," in md
+    with pytest.raises(SystemExit, match="no regimes.json"):
+        regimes.main(["--out", str(tmp_path), "--report-only"])
 
 
 def test_a_rebuilt_pair_that_differs_is_refused(smoke, monkeypatch):
@@ -105,6 +122,18 @@ def test_verdict_names_a_cell_only_when_every_paired_seed_clears_the_bar():
     assert "1.30×" in regimes.verdict({"a": cell([1.3, 1.25, 1.19])})
     assert "in: a" in regimes.verdict({"a": cell([1.3, 1.25, 1.2])})
     assert "No counted cell" in regimes.verdict({"a": cell([1.3, 1.25, 1.2], counts=False)})
+
+
+def test_the_gate_line_reports_only_counted_cells():
+    def cell(shares, counts=True):
+        return {"counts": counts, "methods": {"effopd": {"gate_share": shares}}}
+
+    line = regimes.gate_line({"a": cell([0.01, 0.03]), "b": cell([0.5], counts=False)})
+    assert "took 1.0–3.0% of its training clock: a 2.0 [1.0–3.0]%." in line and "b " not in line
+    assert regimes.gate_line({"b": cell([0.5], counts=False)}) == ""
+    run = {"gate_seconds": 2.0, "train_seconds": {"9": 10.0, "10": 40.0}}
+    assert regimes.gate_share(run) == 0.05  # of the clock at the run's last step
+    assert regimes.gate_share({"gate_seconds": 0.0, "train_seconds": {}}) is None
 
 
 def test_every_cell_config_is_valid():
