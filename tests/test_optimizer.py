@@ -248,6 +248,77 @@ def test_min_improvement_is_a_margin():
     assert run(0.1) is None  # 0.05 does not beat 0.0 by more than 0.1
 
 
+# ---------------------------------------------------------------- 3b. patience
+
+
+class KeptAt:
+    """A gate whose first candidate beats the score before exactly at the searches ``kept``
+    (1-based); every other candidate is worse."""
+
+    def __init__(self, kept: set[int]) -> None:
+        self.kept, self.search, self.calls = kept, 0, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 1:  # the score before the candidates (one candidate per search)
+            self.search += 1
+            return 0.0
+        return 1.0 if self.search in self.kept else -1.0
+
+
+@pytest.mark.parametrize("kept, patience, searched", [
+    (set(), 2, [1, 2]),
+    (set(), 3, [1, 2, 4]),
+    ({2}, 2, [1, 2, 4, 8]),           # a kept jump starts the count over
+    ({1, 3}, 1, [1, 2]),
+    ({1, 2, 3, 4, 5, 6}, 1, [1, 2, 4, 8, 16, 32]),
+])
+def test_patience_stops_searching_after_that_many_refused_searches(kept, patience, searched):
+    data = batches(1, 40)
+    bare, wrapped = make_mlp(0), make_mlp(0)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(wrapped.parameters(), lr=0.05),
+                                 eval_fn=KeptAt(kept), max_candidates=1, patience=patience)
+    train(wrapped, opt, data)
+    assert [r.step for r in opt.history] == searched
+    stopped = len(searched) < 6
+    assert opt.summary().stopped_after == (searched[-1] if stopped else None)
+    assert ("searching stopped after step" in str(opt.summary())) == stopped
+    if not kept:  # nothing kept: the stop costs nothing, the weights are the bare run's
+        train(bare, torch.optim.SGD(bare.parameters(), lr=0.05), data)
+        assert params_equal(bare, wrapped)
+
+
+def test_patience_skips_only_searches_that_would_have_been_refused():
+    """Where no search after the stop would have kept a jump, stopping is exact: the same
+    weights as searching at every scheduled step, with fewer gate evaluations."""
+    data = batches(3, 40)
+    runs = {}
+    for patience in (None, 2):
+        model = make_mlp(0)
+        opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     eval_fn=KeptAt({1}), max_candidates=1, patience=patience)
+        train(model, opt, data)
+        runs[patience] = (model, opt.summary())
+    (full, s_full), (stopped, s_stopped) = runs[None], runs[2]
+    assert params_equal(full, stopped) and s_full.kept_jumps == s_stopped.kept_jumps == 1
+    assert s_stopped.stopped_after == 4 and s_full.stopped_after is None
+    assert s_stopped.gate_evals == 6 < s_full.gate_evals == 12
+
+
+def test_patience_survives_a_resume():
+    data = batches(1, 40)
+    model = make_mlp(0)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                 eval_fn=WorseAndWorse(), patience=2)
+    train(model, opt, data, stop=10)
+    state = opt.state_dict()
+    again = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   eval_fn=WorseAndWorse(), patience=2)
+    again.load_state_dict(state)
+    train(model, again, data, start=10)
+    assert [r.step for r in again.history] == [1, 2] and again.summary().stopped_after == 2
+
+
 # ---------------------------------------------------------------- 4. monotone gate
 
 
@@ -497,6 +568,9 @@ def test_isinstance_and_hooks():
         ({"offload": "disk"}, ValueError, "offload"),
         ({"min_improvement": -1}, ValueError, "min_improvement"),
         ({"schedule": "sometimes"}, ValueError, "schedule"),
+        ({"patience": 0}, ValueError, "patience"),
+        ({"patience": True}, ValueError, "patience"),
+        ({"patience": 1.5}, ValueError, "patience"),
         ({"colour": "red"}, TypeError, "colour"),
     ],
 )

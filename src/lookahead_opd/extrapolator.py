@@ -85,7 +85,8 @@ class Summary:
     searches: the distance the jumps added, as a multiple of the distance the optimizer moved
     (a large value hints that a larger learning rate may do the same; with
     ``direction="averaged"`` it counts the ``c·‖Δ‖`` part of a jump, not the move to the
-    window average)."""
+    window average); ``stopped_after`` is the step of the last search when ``patience`` ended
+    the searching, else ``None``."""
 
     searches: int
     kept_jumps: int
@@ -93,6 +94,7 @@ class Summary:
     search_seconds: float
     mean_secant_cosine: float | None
     extra_distance: float
+    stopped_after: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +105,8 @@ class Summary:
             f"{self.searches} searches, {self.kept_jumps} jumps kept, {self.gate_evals} gate "
             f"evals in {self.search_seconds:.1f}s, mean secant cosine {cos}, kept jumps moved "
             f"{self.extra_distance:.2f}x the distance the optimizer did"
+            + ("" if self.stopped_after is None else
+               f"; searching stopped after step {self.stopped_after} (patience)")
         )
 
 
@@ -154,7 +158,7 @@ class Extrapolator:
         optimizer: the optimizer stepping ``params``; needed by ``on_jump="reset"``.
         **options: the fields of ``ExtrapolationOptions`` (validated there): ``mode``,
             ``min_improvement``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
-            ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
+            ``patience``, ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
             ``direction_rank``, ``on_jump``, ``reduce``/``process_group``, ``log_geometry``.
     """
 
@@ -176,6 +180,7 @@ class Extrapolator:
         self.min_improvement = float(o.min_improvement)
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
+        self.patience = o.patience
         self.direction = o.direction
         self.direction_rank = o.direction_rank
         self._projected: list[Tensor | None] | None = None  # direction_rank: Δ_r of this search
@@ -237,11 +242,22 @@ class Extrapolator:
     def after_step(self) -> JumpRecord | None:
         """Count one optimizer step; run the gated search if the schedule says so."""
         self.step_count += 1
+        if not self.searching:
+            return None
         if self.direction == "averaged":
             self._accumulate_average()
         if self.schedule.is_search_step(self.step_count):
             return self.search()
         return None
+
+    @property
+    def searching(self) -> bool:
+        """False once ``patience`` searches in a row kept no jump: later scheduled steps do not
+        search (from ``history``, so a resumed run stops where the original did)."""
+        if self.patience is None:
+            return True
+        last = self.history[-self.patience:]
+        return len(last) < self.patience or any(r.accepted is not None for r in last)
 
     @torch.no_grad()
     def _accumulate_average(self) -> None:
@@ -425,6 +441,7 @@ class Extrapolator:
             search_seconds=sum(r.seconds for r in h),
             mean_secant_cosine=sum(cosines) / len(cosines) if cosines else None,
             extra_distance=extra / moved if moved > 0 else 0.0,
+            stopped_after=None if self.searching else h[-1].step,
         )
 
     # ------------------------------------------------------------------ memory and state

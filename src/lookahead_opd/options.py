@@ -80,6 +80,9 @@ class ExtrapolationOptions:
         "| increasing numbers (comma-separated)", cli_type=str)
     max_candidates: int | None = option(
         None, "candidates tried per search at most (named coefficients: 5 by default)")
+    patience: int | None = option(
+        None, "stop searching for good once this many searches in a row kept no jump (None: "
+        "search at every scheduled step)")
     snapshot: Any = option(SNAPSHOTS[0], "the anchor's store (also a SnapshotStore object)", choices=SNAPSHOTS,
                            cli_type=str)
     rank: int | None = option(None, "rank of the lowrank snapshot")
@@ -114,7 +117,7 @@ class ExtrapolationOptions:
             raise TypeError(f"min_improvement must be a number, got {m!r}")
         if not math.isfinite(m) or m < 0:
             raise ValueError(f"min_improvement must be finite and >= 0, got {m!r}")
-        for name in ("direction_rank", "rank"):
+        for name in ("direction_rank", "rank", "patience"):
             r = getattr(self, name)
             if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {r!r}")
