@@ -305,6 +305,25 @@ def test_patience_skips_only_searches_that_would_have_been_refused():
     assert s_stopped.gate_evals == 6 < s_full.gate_evals == 12
 
 
+@pytest.mark.parametrize("snapshot, direction", [("full", "secant"), ("lowrank", "secant"),
+                                                  ("full", "averaged")])
+def test_patience_frees_the_anchor_once_searching_stops(snapshot, direction):
+    model = make_mlp(0)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                 eval_fn=WorseAndWorse(), patience=2, snapshot=snapshot,
+                                 rank=2 if snapshot == "lowrank" else None, direction=direction)
+    data = batches(1, 6)
+    train(model, opt, data, stop=1)
+    held = opt.extrapolator.nbytes()
+    assert held["anchor"] > 0 and (held["average"] > 0) == (direction == "averaged")
+    train(model, opt, data, start=1)  # the search at step 2 is the second refused one
+    assert opt.extrapolator.nbytes() == {"anchor": 0, "average": 0, "sketch": held["sketch"]}
+    with pytest.raises(RuntimeError, match="searching stopped after step 2"):
+        opt.extrapolator.search()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})  # nothing to anchor
+    assert opt.extrapolator.nbytes()["anchor"] == 0
+
+
 def test_patience_survives_a_resume():
     data = batches(1, 40)
     model = make_mlp(0)
@@ -317,6 +336,13 @@ def test_patience_survives_a_resume():
     again.load_state_dict(state)
     train(model, again, data, start=10)
     assert [r.step for r in again.history] == [1, 2] and again.summary().stopped_after == 2
+    assert again.extrapolator.nbytes()["anchor"] == 0  # the saved state held no anchor either
+    # A stopped run's state needs the same patience: without it the next search has no anchor.
+    searching = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                       eval_fn=WorseAndWorse())
+    with pytest.raises(ValueError, match="same patience"):
+        searching.load_state_dict(state)
+    assert searching.history == []
 
 
 # ---------------------------------------------------------------- 4. monotone gate

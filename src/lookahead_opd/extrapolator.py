@@ -226,6 +226,8 @@ class Extrapolator:
         self._names.extend(n for n, _ in named)
         self._params.extend(p for _, p in named)
         self.secant.resize(sum(p.numel() for p in self._params))  # global sizes: same on all ranks
+        if isinstance(self.store, _Released):
+            return
         with torch.no_grad():
             local = [distributed.local_tensor(p).detach() for _, p in named]
             self.store.add([n for n, _ in named], local)
@@ -331,6 +333,9 @@ class Extrapolator:
     @torch.no_grad()
     def search(self) -> JumpRecord:
         """Run one gated search now (normally called by ``after_step``) and record it."""
+        if isinstance(self.store, _Released):
+            raise RuntimeError(f"searching stopped after step {self.history[-1].step} "
+                               f"(patience={self.patience}) and its anchor was freed")
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
         backup = self.copy_weights()
@@ -395,7 +400,15 @@ class Extrapolator:
             record.n_evals,
             record.seconds,
         )
+        if not self.searching:
+            self._release()
         return record
+
+    def _release(self) -> None:
+        """Searching has stopped for good: drop the anchor and the running average (a copy of
+        the weights each), which nothing reads any more."""
+        self.store = _Released()
+        self._averages = []
 
     @torch.no_grad()
     def _project(self, backup: Sequence[Tensor]) -> list[Tensor | None]:
@@ -481,16 +494,26 @@ class Extrapolator:
             raise ValueError(
                 f"state holds {len(state['names'])} params, this extrapolator has {len(self._params)}"
             )
-        self.store.load_state_dict(state["anchor"])
-        self._averages = [
-            a.to(device=mine.device, dtype=mine.dtype, copy=True)
-            for a, mine in zip(state["averages"], self._averages, strict=True)
-        ]
+        history = [JumpRecord.from_dict(r) for r in state["history"]]
+        if state["anchor"].get("kind") == _Released.kind:
+            mine, self.history = self.history, history
+            if self.searching:
+                self.history = mine
+                raise ValueError("state was saved after patience stopped the searching and freed "
+                                 f"the anchor; load it with the same patience (this has "
+                                 f"patience={self.patience})")
+            self._release()
+        else:
+            self.store.load_state_dict(state["anchor"])
+            self._averages = [
+                a.to(device=mine.device, dtype=mine.dtype, copy=True)
+                for a, mine in zip(state["averages"], self._averages, strict=True)
+            ]
         self.step_count = int(state["step_count"])
         self._window_count = int(state["window_count"])
         if "secant" in state:  # absent from states saved before the sketch existed
             self.secant.load_state_dict(state["secant"])
-        self.history = [JumpRecord.from_dict(r) for r in state["history"]]
+        self.history = history
 
     def __repr__(self) -> str:
         return (
@@ -514,6 +537,24 @@ class _LazyDirections(Mapping):
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+class _Released(SnapshotStore):
+    """The anchor store after ``patience`` stopped the searching: it holds nothing."""
+
+    kind = "released"
+
+    def nbytes(self) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    def __repr__(self) -> str:
+        return "released (searching stopped)"
 
 
 def _make_store(o: ExtrapolationOptions, device: torch.device | None) -> SnapshotStore:

@@ -81,8 +81,8 @@ class ExtrapolationOptions:
     max_candidates: int | None = option(
         None, "candidates tried per search at most (named coefficients: 5 by default)")
     patience: int | None = option(
-        None, "stop searching for good once this many searches in a row kept no jump (None: "
-        "search at every scheduled step)")
+        None, "stop searching for good once this many searches in a row kept no jump, and free "
+        "the anchor (None: search at every scheduled step)")
     snapshot: Any = option(SNAPSHOTS[0], "the anchor's store (also a SnapshotStore object)", choices=SNAPSHOTS,
                            cli_type=str)
     rank: int | None = option(None, "rank of the lowrank snapshot")
