@@ -93,10 +93,10 @@ def recorded_runs(results_dir: Path) -> Iterator[dict[str, Any]]:
             gate = gate_kind(options)
             if gate is None or not searches:
                 continue
-            clock = run.get("train_seconds") or {}
+            clock = regimes.train_clock(run)
             yield {"source": name, "gate": gate, "gate_seconds": run["gate_seconds"],
                    "gate_evals": run.get("gate_evals") or sum(_evals(s) for s in searches),
-                   "clock": clock[max(clock, key=int)] if clock else run["wall_seconds"],
+                   "clock": clock if clock is not None else run["wall_seconds"],
                    "searches": [(s["accepted"] is not None, _evals(s)) for s in searches]}
 
 

@@ -626,11 +626,16 @@ def _mean(xs: list[float | None]) -> float | None:
     return statistics.fmean(xs) if xs and all(x is not None for x in xs) else None
 
 
+def train_clock(run: dict[str, Any]) -> float | None:
+    """A run's training clock (gate included) at its last step; None if it recorded none."""
+    clock = run.get("train_seconds")
+    return clock[max(clock, key=int)] if clock else None
+
+
 def gate_share(run: dict[str, Any]) -> float | None:
     """The share of a run's training clock its gate took (0 for plain OPD)."""
-    clock = run["train_seconds"]
-    total = clock[max(clock, key=int)] if clock else 0.0
-    return run["gate_seconds"] / total if total > 0 else None
+    total = train_clock(run)
+    return run["gate_seconds"] / total if total else None
 
 
 def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:

@@ -226,7 +226,7 @@ class Extrapolator:
         self._names.extend(n for n, _ in named)
         self._params.extend(p for _, p in named)
         self.secant.resize(sum(p.numel() for p in self._params))  # global sizes: same on all ranks
-        if isinstance(self.store, _Released):
+        if not self.searching:  # nothing to anchor any more
             return
         with torch.no_grad():
             local = [distributed.local_tensor(p).detach() for _, p in named]
@@ -256,10 +256,13 @@ class Extrapolator:
     def searching(self) -> bool:
         """False once ``patience`` searches in a row kept no jump: later scheduled steps do not
         search (from ``history``, so a resumed run stops where the original did)."""
-        if self.patience is None:
-            return True
-        last = self.history[-self.patience:]
-        return len(last) < self.patience or any(r.accepted is not None for r in last)
+        return not self._stopped(self.history)
+
+    def _stopped(self, history: Sequence[JumpRecord]) -> bool:
+        """Whether ``history`` ends in ``patience`` refused searches."""
+        if self.patience is None or len(history) < self.patience:
+            return False
+        return all(r.accepted is None for r in history[-self.patience:])
 
     @torch.no_grad()
     def _accumulate_average(self) -> None:
@@ -333,7 +336,7 @@ class Extrapolator:
     @torch.no_grad()
     def search(self) -> JumpRecord:
         """Run one gated search now (normally called by ``after_step``) and record it."""
-        if isinstance(self.store, _Released):
+        if not self.searching:
             raise RuntimeError(f"searching stopped after step {self.history[-1].step} "
                                f"(patience={self.patience}) and its anchor was freed")
         start = time.perf_counter()
@@ -496,9 +499,7 @@ class Extrapolator:
             )
         history = [JumpRecord.from_dict(r) for r in state["history"]]
         if state["anchor"].get("kind") == _Released.kind:
-            mine, self.history = self.history, history
-            if self.searching:
-                self.history = mine
+            if not self._stopped(history):
                 raise ValueError("state was saved after patience stopped the searching and freed "
                                  f"the anchor; load it with the same patience (this has "
                                  f"patience={self.patience})")
