@@ -22,6 +22,7 @@ A callback copies the weights at evenly spaced checkpoints. Then, with ``ΔW_t =
 
     python -m benchmarks.geometry            # the committed results (2–4 min on 2 shared cores)
     python -m benchmarks.geometry --quick    # pipeline check in seconds (fresh tiny models)
+    python -m benchmarks.geometry --report-only   # rewrite md/png from the json
 
 Writes ``geometry.json``, ``geometry.md`` and ``geometry_*.png`` under ``--out``
 (``geometry_quick.*`` with ``--quick``).
@@ -39,7 +40,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks import harness
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 from lookahead_opd import geometry as geo
 from lookahead_opd.selection import ATTENTION_KEYWORDS, is_block_param
 
@@ -73,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--quick", action="store_true",
                    help="fresh tiny models, a few steps: checks the pipeline in seconds")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     a = p.parse_args(argv)
     a.task = "arithmetic"  # the zoo pair's task (2-digit addition)
     if a.quick:
@@ -253,7 +256,6 @@ def norms_by_layer(delta: dict[str, torch.Tensor]) -> dict[str, Any]:
 def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any, teacher: Any,
                task: Any, work: Path, log: Any) -> dict[str, Any]:
     """Train one method, then every analysis that needs its model (evals of rescaled weights)."""
-    from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
@@ -262,11 +264,11 @@ def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any
     spec = dict(METHODS[method], batch_size=a.batch_size)
     if method == "rl":
         spec.update(num_samples=a.rl_samples, batch_size=a.rl_batch_size)
-    config = OPDConfig(
-        task=a.task, output_dir=str(work / method),
+    config = harness.opd_config(
+        "geometry", method, task=a.task, output_dir=str(work / method),
         max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, optimizer="adamw",
         max_grad_norm=1.0, eval_every=0, eval_size=a.eval_size, gate_size=a.kl_size,
-        seed=a.seed, progress=False, save_every=0, **spec)
+        seed=a.seed, save_every=0, **spec)
     engine = HFEngine(student, tokenizer, batch_size=256)
     ckpt_steps = checkpoint_steps(a.steps, a.checkpoints, a.early_fractions)
     ckpts = Checkpoints(student, ckpt_steps)
@@ -366,6 +368,13 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.1%}"
 
 
+def per_method_rows(runs: dict[str, Any], names: list[str], key: str, labels: list[str],
+                    cells: Any) -> list[list[str]]:
+    """One row per label: the label, then ``cells(method, runs[method][key][i])`` per method."""
+    return [[label, *[x for m in names for x in cells(m, runs[m][key][i])]]
+            for i, label in enumerate(labels)]
+
+
 def report(results: dict[str, Any]) -> str:
     runs, ref = results["runs"], results["random_reference"]
     names = [m for m in ("opd", "rl") if m in runs]
@@ -442,17 +451,14 @@ def report(results: dict[str, Any]) -> str:
               "ΔW_early per parameter tensor rescaled to the final update's norm "
               "(`geometry.rescale_updates`, β = 1), applied to W_0. Recovery is (acc − acc_0) / "
               "(acc_T − acc_0); it is omitted when the run itself gained under 2 points.", ""]
-    rows = []
-    for i, f in enumerate(c["early_fractions"]):
-        row = [f"{f:.0%}"]
-        for m in names:
-            r = runs[m]["rescale"][i]
-            raw = next(p for p in runs[m]["curve"] if p["step"] == r["step"])
-            row += [f"{raw['accuracy']:.1%} ({_pct(recovery(runs[m], raw['accuracy']))})",
-                    f"{r['accuracy']:.1%} ({_pct(recovery(runs[m], r['accuracy']))})",
-                    f"{raw['reverse_kl']:.4f} → {r['reverse_kl']:.4f}",
-                    _fmt(r["norm_ratio_before"])]
-        rows.append(row)
+    def rescaled(m: str, r: dict[str, Any]) -> list[str]:
+        raw = next(p for p in runs[m]["curve"] if p["step"] == r["step"])
+        return [f"{raw['accuracy']:.1%} ({_pct(recovery(runs[m], raw['accuracy']))})",
+                f"{r['accuracy']:.1%} ({_pct(recovery(runs[m], r['accuracy']))})",
+                f"{raw['reverse_kl']:.4f} → {r['reverse_kl']:.4f}", _fmt(r["norm_ratio_before"])]
+
+    rows = per_method_rows(runs, names, "rescale", [f"{f:.0%}" for f in c["early_fractions"]],
+                           rescaled)
     head = ["checkpoint"]
     for m in names:
         head += [f"{m.upper()} acc as is (recovery)", f"{m.upper()} acc rescaled (recovery)",
@@ -460,14 +466,9 @@ def report(results: dict[str, Any]) -> str:
     lines.append(markdown_table(head, rows))
     lines += ["", f"β sweep at the {c['early_fractions'][0]:.0%} checkpoint (β = 0: as is; β = 1: "
               "the final norm):", ""]
-    rows = []
-    for i, b in enumerate(c["beta_values"]):
-        row = [f"{b:g}"]
-        for m in names:
-            r = runs[m]["beta_sweep"][i]
-            row += [f"{r['accuracy']:.1%}", f"{r['reverse_kl']:.4f}",
-                    _fmt(r["norm_ratio_to_final"])]
-        rows.append(row)
+    rows = per_method_rows(runs, names, "beta_sweep", [f"{b:g}" for b in c["beta_values"]],
+                           lambda m, r: [f"{r['accuracy']:.1%}", f"{r['reverse_kl']:.4f}",
+                                         _fmt(r["norm_ratio_to_final"])])
     head = ["β"] + [f"{m.upper()} {x}" for m in names for x in ("acc", "KL", "‖ΔW‖/‖ΔW_T‖")]
     lines.append(markdown_table(head, rows))
     lines += ["", "## Reading", "", *findings(results)]
@@ -614,6 +615,13 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = STEM + ("_quick" if a.quick else "")
+    if a.report_only:
+        results = previous_results(out, stem)
+        if results is None:
+            raise SystemExit(f"geometry: --report-only: no {stem}.json in {out}")
+        write_results(str(out), stem, results, report(results))
+        plot(results, out, stem)
+        return 0
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:6.0f}s] {msg}", flush=True)

@@ -461,6 +461,18 @@ def fmt_ratio(s: dict[str, float]) -> str:
     return text
 
 
+def store_row(name: str, d: dict[str, Any], per_step: str, fmt: str) -> list[str]:
+    """An anchor store's sizes and capture time, as the two store tables start their rows."""
+    return [
+        name.replace("lowrank_r", "lowrank r="),
+        mib(d["anchor_bytes"]),
+        f"{d['anchor_over_full']:.2%}",
+        mib(d["reference_bytes"]),
+        f"{d['capture']['median']:.4f}",
+        fmt.format(d[per_step]),
+    ]
+
+
 def render(res: dict[str, Any], args) -> str:
     cfg, w, c, ms, syn = (
         res["config"],
@@ -543,22 +555,15 @@ def render(res: dict[str, Any], args) -> str:
         f"{ms['capture_steps']} of real training, step median {ms['step']['median']:.3f} s)",
         "",
     ]
-    rows = []
-    for name in ["full"] + rank_names:
-        d = ms[name]
-        rows.append(
-            [
-                name.replace("lowrank_r", "lowrank r="),
-                mib(d["anchor_bytes"]),
-                f"{d['anchor_over_full']:.2%}",
-                mib(d["reference_bytes"]),
-                f"{d['capture']['median']:.4f}",
-                f"{d['capture_over_step']:.3f}",
-                f"{d['rel_error']:.3f}",
-                f"{d['best_rank_r_error']:.3f}" if "best_rank_r_error" in d else "0",
-                f"{d['direction_error']:.3f}",
-            ]
-        )
+    rows = [
+        store_row(name, ms[name], "capture_over_step", "{:.3f}")
+        + [
+            f"{ms[name]['rel_error']:.3f}",
+            f"{ms[name]['best_rank_r_error']:.3f}" if "best_rank_r_error" in ms[name] else "0",
+            f"{ms[name]['direction_error']:.3f}",
+        ]
+        for name in ["full"] + rank_names
+    ]
     headers = [
         "store",
         "anchor",
@@ -579,19 +584,10 @@ def render(res: dict[str, Any], args) -> str:
         f"{syn['adamw_step']['median']:.4f} s)",
         "",
     ]
-    rows = []
-    for name in ["full"] + rank_names:
-        d = syn[name]
-        rows.append(
-            [
-                name.replace("lowrank_r", "lowrank r="),
-                mib(d["anchor_bytes"]),
-                f"{d['anchor_over_full']:.2%}",
-                mib(d["reference_bytes"]),
-                f"{d['capture']['median']:.4f}",
-                f"{d['capture_over_adamw_step']:.2f}",
-            ]
-        )
+    rows = [
+        store_row(name, syn[name], "capture_over_adamw_step", "{:.2f}")
+        for name in ["full"] + rank_names
+    ]
     headers = ["store", "anchor", "/ full", "CPU reference", "capture (s)", "capture / AdamW step"]
     out += [markdown_table(headers, rows), ""]
     return "\n".join(out)

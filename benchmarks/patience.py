@@ -14,6 +14,7 @@ evaluations, the clocks side by side.
 
     python -m benchmarks.patience                      # the replay: seconds
     OMP_NUM_THREADS=1 python -m benchmarks.patience --live   # + 6 OPD runs, ~6 CPU-minutes
+    python -m benchmarks.patience --report-only        # rewrite the md from the json
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import regimes, secant, speedup
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks import harness, regimes, secant, speedup
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 
 STEM = "patience"
 RESULTS = Path("benchmarks/results")
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=LIVE["lr"])
     p.add_argument("--seeds", default=",".join(map(str, LIVE["seeds"])))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--report-only", action="store_true", help="rewrite the md from the json")
     a = p.parse_args(argv)
     a.seed_list = [int(s) for s in a.seeds.split(",")]
     if a.cell not in regimes.CELLS:
@@ -83,7 +85,7 @@ def recorded_runs(results_dir: Path) -> Iterator[dict[str, Any]]:
         runs = data["runs"].values() if isinstance(data["runs"], dict) else data["runs"]
         for run in runs:
             if kind == "regimes":
-                options, searches = ({**regimes.EFFOPD} if run["method"] == "effopd" else {"extrapolate": False}), run["jumps"]
+                options, searches = ({**harness.EFFOPD} if run["method"] == "effopd" else {"extrapolate": False}), run["jumps"]
             elif kind == "secant":
                 options, searches = dict(secant.VARIANTS[run["variant"]]), run["searches"]
             else:
@@ -93,7 +95,7 @@ def recorded_runs(results_dir: Path) -> Iterator[dict[str, Any]]:
             gate = gate_kind(options)
             if gate is None or not searches:
                 continue
-            clock = regimes.train_clock(run)
+            clock = harness.train_clock(run)
             yield {"source": name, "gate": gate, "gate_seconds": run["gate_seconds"],
                    "gate_evals": run.get("gate_evals") or sum(_evals(s) for s in searches),
                    "clock": clock if clock is not None else run["wall_seconds"],
@@ -159,12 +161,10 @@ def recommended(table: dict[str, list[dict[str, Any]]]) -> int | None:
 
 def live(a: argparse.Namespace, patience: int) -> dict[str, Any]:
     """One cell at one lr, each seed with and without ``patience``."""
-    from lookahead_opd.integrations.opd.compare import run_variant
-    from lookahead_opd.integrations.opd.tasks import load_task
     from tqdm.auto import tqdm
 
     r = regimes.parse_args(["--cells", a.cell])
-    cell, models, book = r.cell_specs[a.cell], regimes.Models(r), {"bases": {}}
+    cell, models, book = r.cell_specs[a.cell], regimes.pairs_for(r), {"bases": {}}
     pair = models.get(cell["task"], cell["teacher"])
     if "error" in pair:
         raise SystemExit(f"patience: the {a.cell} pair is not available: {pair['error']}")
@@ -175,11 +175,9 @@ def live(a: argparse.Namespace, patience: int) -> dict[str, Any]:
         runs = {}
         for k in (None, patience):
             config = dataclasses.replace(base, patience=k, output_dir=f"/tmp/lookahead-opd-{STEM}/{seed}-{k}")
-            run = run_variant(config, pair["student"], pair["teacher"],
-                              load_task(cell["task"]), pair["tokenizer"])
-            clock = run["train_seconds"]
+            run = harness.run(config, pair, cell["task"])
             runs[str(k)] = {"evals": run["evals"], "gate_evals": run["gate_evals"],
-                            "gate_seconds": run["gate_seconds"], "clock": clock[max(clock)],
+                            "gate_seconds": run["gate_seconds"], "clock": harness.train_clock(run),
                             "searches": [(j["step"], j["accepted"]) for j in run["jumps"]],
                             "stopped_after": (run["summary"] or {}).get("stopped_after")}
         full, stop = runs["None"], runs[str(patience)]
@@ -267,6 +265,12 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.report_only:
+        old = previous_results(a.out, STEM)
+        if old is None:
+            raise SystemExit(f"patience: --report-only: no {STEM}.json in {a.out}")
+        write_results(a.out, STEM, old, report(old))
+        return 0
     rep = replay_all(Path(a.results))
     if not rep["table"]:
         raise SystemExit(f"patience: no recorded searches under {a.results}")

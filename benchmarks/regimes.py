@@ -33,65 +33,49 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, previous_results, write_results
+from benchmarks import harness
+from benchmarks.common import markdown_table
+from benchmarks.harness import (
+    EFFOPD,
+    FRACTIONS,
+    LEVELS,
+    RETENTION,
+    TASKS,
+    degraded,
+    fmt_range,
+    gate_share,
+    mean,
+)
 
 STEM = "regimes"
-LOSS = "reverse_kl"
-FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
 STOP_FRACTION = 0.9
 COUNT_FRACTION = 0.75  # plain at its best lr must reach this on every seed for the cell to count
 MIN_GAIN_SE = 5.0  # ... and the gain must be this many eval standard errors
 SPEEDUP_BAR = 1.2  # the question: is EffOPD at least this much faster on every paired seed?
 EVAL_SIZE = 1000
 STAGE2_SEEDS = (1, 2)
-EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
 RETENTION_BUDGET = 0.02
-
-# task key -> OPD task spec. The long task: a worked solution of 20-80 tokens, then the answer.
-TASKS = {"short": "arithmetic", "long": "longadd"}
-# level -> (task key, prompts per step)
-LEVELS = {"short-32": ("short", 32), "short-512": ("short", 512), "long-128": ("long", 128)}
-# teacher key -> zoo teacher_regime
-TEACHERS = {"sft": "same-base", "rl": "rl", "retention": "retention"}
 ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
 SGD_LRS = (0.025, 0.05, 0.1)
 SGD_MOMENTUM = 0.9
-# The retention pair (zoo regime ``retention``): a base competent on + and on the steep part of
-# −, a teacher SFT'd on the mix; − is distilled, + is measured.
-RETENTION = {"task": "arithmetic:ops=-", "held_out": "arithmetic:ops=+"}
 
 
 def _cells() -> dict[str, dict[str, Any]]:
     """name -> cell spec, in the order the study runs them (most informative first: the rl
     teacher, then the levels by tokens per step, highest first)."""
-    cells: dict[str, dict[str, Any]] = {}
-
-    def add(level: str, teacher: str, optimizer: str, lrs: tuple[float, ...], *,
-            kind: str = "main", stage2: str = "two-best") -> None:
-        task_key, prompts = LEVELS[level]
-        name = f"{level}/{teacher}/{optimizer}"
-        task = RETENTION["task"] if kind == "retention" else TASKS[task_key]
-        cells[name] = {"level": level, "task": task, "prompts": prompts,
-                       "teacher": teacher, "optimizer": optimizer, "lrs": list(lrs),
-                       "kind": kind, "stage2": stage2}
-
-    for teacher in ("rl", "sft"):
-        for level in ("long-128", "short-512", "short-32"):
-            add(level, teacher, "adamw", ADAMW_LRS)
-    for level in ("long-128", "short-512"):  # the two upper levels
-        add(level, "rl", "sgd", SGD_LRS, stage2="best")
-    add("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention", stage2="three-best")
-    return cells
-
+    cells = [harness.cell(level, teacher, "adamw", ADAMW_LRS)
+             for teacher in ("rl", "sft") for level in ("long-128", "short-512", "short-32")]
+    cells += [harness.cell(level, "rl", "sgd", SGD_LRS, stage2="best")  # the two upper levels
+              for level in ("long-128", "short-512")]
+    cells.append(harness.cell("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention",
+                              stage2="three-best"))
+    return dict(cells)
 
 CELLS = _cells()
 
@@ -195,121 +179,18 @@ def report_args(a: argparse.Namespace, config: dict[str, Any]) -> argparse.Names
 # --------------------------------------------------------------------------- models
 
 
-class Models:
-    """Loads each zoo pair once (building it on first use); a pair the zoo cannot build (a
-    teacher regime not there yet) is remembered with the reason."""
-
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.a = a
-        self._pairs: dict[tuple[str, str], dict[str, Any]] = {}
-
-    def get(self, task_spec: str, teacher: str) -> dict[str, Any]:
-        key = (task_spec, teacher)
-        if key not in self._pairs:
-            from lookahead_opd.integrations.opd.zoo import build_pair
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            extra = {"retain": [RETENTION["held_out"]]} if teacher == "retention" else {}
-            try:
-                pair = build_pair(self.a.cache_dir, task_spec=task_spec, size=self.a.size,
-                                  teacher_regime=TEACHERS[teacher], progress=True,
-                                  device=self.a.device, **extra)
-            except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
-                self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
-                return self._pairs[key]
-
-            def load(path: Path) -> Any:
-                return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.a.device)
-
-            self._pairs[key] = {
-                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
-                "student": load(pair.student_path), "teacher": load(pair.teacher_path),
-                "accuracies": pair.accuracies, "path": str(pair.student_path),
-                "build": Path(pair.student_path).parent.name,
-            }
-        return self._pairs[key]
+def pairs_for(a: argparse.Namespace) -> harness.Pairs:
+    return harness.Pairs(a.cache_dir, size=a.size, device=a.device)
 
 
-def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, Any]) -> str | None:
-    """Why ``pair`` is not the pair the json's earlier runs of this task and teacher used, or
-    None. Zoo builds are seeded but not reproducible across machines and thread counts, so a
-    rebuilt pair can differ; runs on two different pairs must not be mixed in one map."""
-    key = f"{cell['task']}|{cell['teacher']}"
-    record = {"build": pair["build"], "accuracies": pair["accuracies"]}
-    seen = results.setdefault("pairs", {}).get(key)
-    if seen is None:
-        # A json written before pairs were recorded: the teachers' accuracies in its bases.
-        old = [b["teacher"] for k, b in results["bases"].items() if k.startswith(key + "|")]
-        if cell["kind"] == "retention" or not old or math.isclose(old[0], pair["accuracies"]["teacher"]):
-            results["pairs"][key] = record
-            return None
-        seen = {"build": "an earlier build", "accuracies": {"teacher": old[0]}}
-    common = [k for k, v in record["accuracies"].items()
-              if isinstance(v, float) and isinstance(seen["accuracies"].get(k), float)]
-    if all(math.isclose(seen["accuracies"][k], record["accuracies"][k]) for k in common):
-        return None
-    def accs(d: dict[str, Any]) -> str:
-        return ", ".join(f"{k} {v:.1%}" for k, v in d.items() if isinstance(v, float))
-
-    return (f"the zoo pair here ({pair['build']}: {accs(record['accuracies'])}) is not the one the "
-            f"json's {key} runs used ({seen['build']}: {accs(seen['accuracies'])}); write this "
-            "study elsewhere with --out, or start over with --fresh")
-
-
-def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
-    """The run's eval set: ``n`` test problems, or all of them when the split holds fewer."""
-    return task.problems("test", min(n, len(task.problems("test"))), seed=seed)
+check_pair = harness.check_pair
 
 
 def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> float:
-    from lookahead_opd.integrations.opd.tasks import load_task
-    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
-
-    task = load_task(task_spec)
-    return greedy_accuracy(model, tokenizer, task, eval_problems(task, n, seed))
+    return harness.accuracy(model, tokenizer, task_spec, n, seed)
 
 
 # --------------------------------------------------------------------------- probes
-
-
-class OutOfTime(Exception):
-    """Raised by ``SecantProbe`` when a run passes its time limit (GPU budget)."""
-
-
-class SecantProbe:
-    """Snapshots the weights after steps 1, 2, 4, 8, ... (EffOPD's search steps) and records
-    ``cos(W_2s − W_s, W_s − W_s/2)``: how well one window's secant predicts the next window's
-    displacement, the bet a jump ``W + c·Δ`` makes. Also keeps the eval curve and the clock,
-    so a run that crashes or passes ``time_limit`` seconds of training keeps what it did."""
-
-    def __init__(self, model: torch.nn.Module, time_limit: float | None = None) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.time_limit = time_limit
-        self.snaps: dict[int, torch.Tensor] = {}
-        self.cosines: list[tuple[int, float]] = []
-        self.tokens: list[int] = []
-        self.evals: list[list[float]] = []
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, m: dict[str, Any]) -> None:
-        step = m["step"]
-        self.seconds[str(step)] = m["train_seconds"]
-        if "eval_accuracy" in m:
-            self.evals.append([step, m["eval_accuracy"]])
-        if "num_tokens" in m:
-            self.tokens.append(int(m["num_tokens"]))
-        if self.time_limit is not None and m["train_seconds"] > self.time_limit:
-            raise OutOfTime(f"stopped at step {step}: past {self.time_limit:.0f}s of training")
-        if step < 1 or step & (step - 1):
-            return
-        with torch.no_grad():
-            self.snaps[step] = torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
-        if step >= 4:
-            d1 = self.snaps[step] - self.snaps[step // 2]
-            d0 = self.snaps[step // 2] - self.snaps[step // 4]
-            cos = torch.nn.functional.cosine_similarity(d1, d0, dim=0)
-            self.cosines.append((step, float(cos)))
-            del self.snaps[step // 4]
 
 
 class NoiseProbe:
@@ -372,50 +253,24 @@ class NoiseProbe:
 
 def config_for(a: argparse.Namespace, cell: dict[str, Any], method: str, lr: float, seed: int,
                target: float | None, **extra: Any) -> Any:
-    from lookahead_opd.integrations.opd.config import OPDConfig
-
     opt = dict(optimizer="sgd", momentum=SGD_MOMENTUM) if cell["optimizer"] == "sgd" else {}
     eff = {**EFFOPD, "gate_size": a.gate_size} if method == "effopd" else {}
-    return OPDConfig(
-        task=cell["task"], output_dir=f"/tmp/lookahead-opd-{a.stem}/{method}-{lr:g}-{seed}",
-        max_steps=a.max_steps, batch_size=cell["prompts"], learning_rate=lr, warmup_steps=a.warmup_steps,
-        loss=LOSS, eval_every=a.eval_every, eval_size=len(eval_problems(_task(cell["task"]),
-                                                                        a.eval_size, seed)), seed=seed,
-        stop_at_accuracy=target, device=a.device, progress=False, **opt, **eff, **extra)
+    eval_n = len(harness.eval_problems(harness.load_task(cell["task"]), a.eval_size, seed))
+    return harness.opd_config(
+        a.stem, f"{method}-{lr:g}-{seed}", task=cell["task"], max_steps=a.max_steps,
+        batch_size=cell["prompts"], learning_rate=lr, warmup_steps=a.warmup_steps,
+        eval_every=a.eval_every, eval_size=eval_n, seed=seed, stop_at_accuracy=target,
+        device=a.device, **opt, **eff, **extra)
 
 
 def run_key(cell: str, method: str, lr: float, seed: int) -> str:
     return f"{cell}|{method}|{lr:g}|{seed}"
 
 
-def base_and_targets(a: argparse.Namespace, results: dict[str, Any], models: Models,
+def base_and_targets(a: argparse.Namespace, results: dict[str, Any], models: harness.Pairs,
                      cell_name: str, seed: int) -> dict[str, Any]:
     """The base's accuracy on this seed's eval set, the teacher's (all of test) and the targets."""
-    cell = a.cell_specs[cell_name]
-    key = f"{cell['task']}|{cell['teacher']}|{seed}"
-    if key not in results["bases"]:
-        pair = models.get(cell["task"], cell["teacher"])
-        base = accuracy(pair["student"], pair["tokenizer"], cell["task"], a.eval_size, seed)
-        if cell["kind"] == "retention":
-            teacher = accuracy(pair["teacher"], pair["tokenizer"], cell["task"], 10**9, 0)
-        else:
-            teacher = pair["accuracies"]["teacher"]
-        n = len(eval_problems(_task(cell["task"]), a.eval_size, seed))
-        se = math.sqrt(base * (1 - base) / n + teacher * (1 - teacher) / n)
-        entry = {"base": base, "teacher": teacher, "eval_n": n, "gain": teacher - base,
-                 "gain_se": se, "targets": {f"{f:g}": base + f * (teacher - base) for f in FRACTIONS}}
-        if cell["kind"] == "retention":
-            entry["retention_base"] = accuracy(pair["student"], pair["tokenizer"],
-                                               RETENTION["held_out"], a.eval_size, seed)
-        results["bases"][key] = entry
-    return results["bases"][key]
-
-
-def _task(spec: str) -> Any:
-    from lookahead_opd.integrations.opd.tasks import load_task
-
-    return load_task(spec)
-
+    return harness.base_and_targets(results, models, a.cell_specs[cell_name], seed, a.eval_size)
 
 def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     """An ``OPDTrainer`` whose EffOPD gate scores −∞ (below every −reverse KL; the issue's −1
@@ -432,21 +287,15 @@ def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     return RetentionGatedTrainer
 
 
-def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell_name: str,
+
+
+def run_one(a: argparse.Namespace, results: dict[str, Any], models: harness.Pairs, cell_name: str,
             method: str, lr: float, seed: int, *, noise: bool = False) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.compare import run_variant
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
     cell = a.cell_specs[cell_name]
     pair = models.get(cell["task"], cell["teacher"])
     bt = base_and_targets(a, results, models, cell_name, seed)
-    probes: list[Any] = []
-
-    def callbacks(model: torch.nn.Module) -> list[Callable[[dict[str, Any]], None]]:
-        probes.append(NoiseProbe(model, a.noise_micro) if noise
-                      else SecantProbe(model, a.run_limit_s))
-        return probes
-
     if noise:  # plain at this lr, micro-batched, a few steps, no evals on the way
         config = dataclasses.replace(
             config_for(a, cell, "plain", lr, seed, None), eval_every=0, max_steps=a.noise_steps,
@@ -456,7 +305,7 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell
     trainer_cls = OPDTrainer
     on_student = None
     if cell["kind"] == "retention":
-        held = _task(RETENTION["held_out"])
+        held = harness.load_task(RETENTION["held_out"])
         held_out = {"task": held, "problems": held.problems("gate", min(a.gate_size, len(
             held.problems("gate"))), seed=seed)}
         if method == "effopd":
@@ -465,33 +314,18 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell
 
         def on_student(m: Any) -> float:
             return accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
-    t0 = time.perf_counter()
-    try:
-        run = run_variant(config, pair["student"], pair["teacher"], _task(cell["task"]),
-                          pair["tokenizer"], callbacks=callbacks, on_student=on_student,
-                          trainer_class=trainer_cls)
-        run["jumps"] = [{k: j[k] for k in ("step", "score_before", "accepted", "coefficients", "scores")}
-                        for j in run["jumps"]]
-        run["crashed"] = run["stopped"] = None
-    except (RuntimeError, ValueError, OutOfTime) as err:
-        # NaN weights make sampling fail: a degraded run. A time limit: a partial curve.
-        rec = probes[0] if probes and isinstance(probes[0], SecantProbe) else None
-        evals = rec.evals if rec is not None and rec.evals else [[0, bt["base"]]]
-        stopped = isinstance(err, OutOfTime)
-        run = {"evals": evals, "train_seconds": rec.seconds if rec is not None else {}, "jumps": [],
-               "final_accuracy": evals[-1][1] if stopped else None, "extra": None,
-               "crashed": None if stopped else f"{type(err).__name__}: {err}"[:300],
-               "stopped": str(err) if stopped else None}
-    run["train_seconds"] = {str(k): v for k, v in run["train_seconds"].items()}
-    run.pop("reverse_kl", None)
-    run.update(cell=cell_name, method=method, lr=lr, seed=seed,
-               wall_seconds=time.perf_counter() - t0)
-    probe = probes[0] if probes else None
-    if noise and probe is not None and probe.big:
-        run["noise"] = probe.result(cell["prompts"] * config.num_samples)
-    elif probe is not None:
-        run["secant_cosines"] = probe.cosines
-        run["tokens_per_step"] = statistics.fmean(probe.tokens) if probe.tokens else None
+    probes: list[NoiseProbe] = []
+
+    def noise_probe(model: torch.nn.Module) -> list[NoiseProbe]:
+        probes.append(NoiseProbe(model, a.noise_micro))
+        return probes
+
+    run = harness.run(config, pair, cell["task"], time_limit=a.run_limit_s, on_student=on_student,
+                      trainer_class=trainer_cls, callbacks=noise_probe if noise else None)
+    run["evals"] = run["evals"] or [[0, bt["base"]]]  # a crash before the first eval
+    run.update(cell=cell_name, method=method, lr=lr, seed=seed)
+    if noise and probes and probes[0].big:
+        run["noise"] = probes[0].result(cell["prompts"] * config.num_samples)
     return run
 
 
@@ -500,33 +334,13 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: Models, cell
 
 def _reached(run: dict[str, Any], bt: dict[str, Any]) -> dict[str, int | None]:
     """Steps and seconds to each fraction of the gain (None: not reached)."""
-    from lookahead_opd.integrations.opd.compare import steps_to_target
-
-    out: dict[str, Any] = {}
-    for f in FRACTIONS:
-        s = steps_to_target(run["evals"], bt["targets"][f"{f:g}"])
-        out[f"steps_{f:g}"] = s
-        out[f"seconds_{f:g}"] = None if s is None else run["train_seconds"].get(str(s), 0.0)
-    return out
-
-
-def degraded(run: dict[str, Any]) -> bool:
-    """Plain at this lr broke: a crash (NaN), or a final accuracy below its start."""
-    if run.get("crashed") or run["final_accuracy"] is None or math.isnan(run["final_accuracy"]):
-        return True
-    return run["final_accuracy"] < run["evals"][0][1]
+    return harness.reached(run, bt["targets"])
 
 
 def rank_key(runs: list[dict[str, Any]], bt: dict[str, Any]) -> tuple[float, float, float]:
     """Smaller is better: the highest fraction reached on every seed, then mean steps to it,
     then minus the mean final accuracy."""
-    finals = [r["final_accuracy"] or 0.0 for r in runs]
-    for i, f in enumerate(reversed(FRACTIONS)):
-        steps = [_reached(r, bt)[f"steps_{f:g}"] for r in runs]
-        if all(s is not None for s in steps):
-            return (float(i), statistics.fmean(steps), -statistics.fmean(finals))
-    return (float(len(FRACTIONS)), 0.0, -statistics.fmean(finals))
-
+    return harness.rank_key(runs, bt["targets"])
 
 def cell_runs(results: dict[str, Any], cell: str, method: str) -> dict[float, list[dict[str, Any]]]:
     by_lr: dict[float, list[dict[str, Any]]] = {}
@@ -622,22 +436,6 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
 # --------------------------------------------------------------------------- summary
 
 
-def _mean(xs: list[float | None]) -> float | None:
-    return statistics.fmean(xs) if xs and all(x is not None for x in xs) else None
-
-
-def train_clock(run: dict[str, Any]) -> float | None:
-    """A run's training clock (gate included) at its last step; None if it recorded none."""
-    clock = run.get("train_seconds")
-    return clock[max(clock, key=int)] if clock else None
-
-
-def gate_share(run: dict[str, Any]) -> float | None:
-    """The share of a run's training clock its gate took (0 for plain OPD)."""
-    total = train_clock(run)
-    return run["gate_seconds"] / total if total else None
-
-
 def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:
     cell = a.cell_specs[cell_name]
     bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
@@ -676,7 +474,7 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
             "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"]]
                                for r in rs],
             "secant_cosine": statistics.fmean(cos) if cos else None,
-            "tokens_per_step": _mean([r.get("tokens_per_step") for r in rs]),
+            "tokens_per_step": mean([r.get("tokens_per_step") for r in rs]),
             "gate_share": [gate_share(r) for r in rs],
         }
     out["methods"] = methods
@@ -721,16 +519,6 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- report
 
-
-def _rng(xs: list[Any], fmt: str = "{:.0f}") -> str:
-    if not xs:
-        return "—"
-    got = [x for x in xs if x is not None]
-    if len(got) < len(xs):
-        return f"{len(got)}/{len(xs)} reached" + (f" ({fmt.format(statistics.fmean(got))})" if got else "")
-    if len(xs) == 1:
-        return fmt.format(xs[0])
-    return f"{fmt.format(statistics.fmean(xs))} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
 
 
 def _ratios(xs: list[float | None]) -> str:
@@ -786,7 +574,7 @@ def gate_line(summary: dict[str, Any]) -> str:
     if not per_cell:
         return ""
     every = [x for v in per_cell.values() for x in v]
-    cells = "; ".join(f"{k} {_rng([100 * x for x in v], '{:.1f}')}%" for k, v in per_cell.items())
+    cells = "; ".join(f"{k} {fmt_range([100 * x for x in v], '{:.1f}')}%" for k, v in per_cell.items())
     return (f"**What the gate cost.** At EffOPD's best lr in the counted cells its gate took "
             f"{100 * min(every):.1f}–{100 * max(every):.1f}% of its training clock: {cells}. A "
             f"search scores the same {EFFOPD['gate_size']} fixed rollouts once for the current weights and "
@@ -862,7 +650,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f = c.get("verdict_fraction")
 
         def steps(x: dict[str, Any] | None) -> str:
-            return "—" if x is None else " / ".join(_rng(x[f"steps_{fr:g}"]) for fr in FRACTIONS)
+            return "—" if x is None else " / ".join(fmt_range(x[f"steps_{fr:g}"]) for fr in FRACTIONS)
 
         rows.append([
             name, "—" if not tps else f"{tps:.0f}", nz,
@@ -870,11 +658,11 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
             "yes" if c.get("counts") else f"no: {c.get('count_reason', c['status'])}",
             "—" if p is None else f"{p['best_lr']:g}", "—" if e is None else f"{e['best_lr']:g}",
             steps(p), steps(e),
-            "—" if p is None or f is None else _rng(p[f"seconds_{f:g}"], "{:.1f}"),
-            "—" if e is None or f is None else _rng(e[f"seconds_{f:g}"], "{:.1f}"),
+            "—" if p is None or f is None else fmt_range(p[f"seconds_{f:g}"], "{:.1f}"),
+            "—" if e is None or f is None else fmt_range(e[f"seconds_{f:g}"], "{:.1f}"),
             "—" if f is None else f"{f:.0%}: {_ratios(c['ratios'][f'steps_{f:g}'])}",
             "—" if f is None else _ratios(c["ratios"][f"seconds_{f:g}"]),
-            "—" if e is None or None in e["gate_share"] else _rng([100 * x for x in e["gate_share"]], "{:.1f}%"),
+            "—" if e is None or None in e["gate_share"] else fmt_range([100 * x for x in e["gate_share"]], "{:.1f}%"),
             "—" if e is None else ", ".join(f"{len(k)}/{n}" for k, n in zip(
                 e["accepted_jumps"], e["searches"], strict=True)),
             "—" if p is None or p["secant_cosine"] is None else f"{p['secant_cosine']:.2f}",
@@ -896,7 +684,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                 ret = "" if all(x is None for x in d["retention"]) else (
                     "; kept " + ", ".join(f"{x:.1%}" for x in d["retention"]))
                 cut = "" if not any(d["stopped"]) else " (time limit)"
-                rows.append([method, lr, "; ".join(cells) + cut, _rng(d["final"], "{:.1%}") + ret,
+                rows.append([method, lr, "; ".join(cells) + cut, fmt_range(d["final"], "{:.1%}") + ret,
                              "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
         lines += [f"### {name}", "", markdown_table(
             ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
@@ -985,10 +773,10 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def save(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
-    results["summary"] = summarize(a, results)
-    write_results(str(out), a.stem, results, report(a, results))
-    plot(a, results, out)
+def save(a: argparse.Namespace, store: harness.Store) -> None:
+    store.data["summary"] = summarize(a, store.data)
+    store.save(report(a, store.data))
+    plot(a, store.data, store.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -996,18 +784,16 @@ def main(argv: list[str] | None = None) -> int:
 
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    results: dict[str, Any] = {"runs": {}, "bases": {}, "unavailable": {}}
-    old = previous_results(out, a.stem, fresh=a.fresh)
+    store = harness.Store(a.out, a.stem, fresh=a.fresh)
+    results, old = store.data, store.old
+    store.resume("bases", "unavailable", "pairs")
     if old is not None:
-        results["runs"], results["bases"] = old.get("runs", {}), old.get("bases", {})
-        results["pairs"], results["unavailable"] = old.get("pairs", {}), old.get("unavailable", {})
         results["commands"] = old.get("commands", [])
         # The machines the runs so far ran on (a json from before this record: its last one).
         results["machines"] = old.get("machines") or [old.get("machine", {}).get("cpu_model")]
     if a.report_only:
         if old is None:
-            raise SystemExit(f"regimes: --report-only: no {a.stem}.json in {out}")
+            raise SystemExit(f"regimes: --report-only: no {a.stem}.json in {a.out}")
         a = report_args(a, old.get("config", {}))
     if a.note is not None:
         results["note"] = a.note
@@ -1017,17 +803,10 @@ def main(argv: list[str] | None = None) -> int:
     results["cells"] = a.cell_specs
     if a.report_only:  # a report alone is not a run: the machine and commit stay the runs'
         results["machine"] = old["machine"]
-        save(a, results, out)
+        save(a, store)
         return 0
-    results["machine"] = machine_info(torch.device(a.device))
-    machines = results.setdefault("machines", [])
-    if results["machine"]["cpu_model"] not in machines:
-        machines.append(results["machine"]["cpu_model"])
-    models = Models(a)
-    command = machine_info(torch.device(a.device))["command"]
-    results.setdefault("commands", [])
-    if command not in results["commands"]:
-        results["commands"].append(command)
+    store.stamp(a.device)
+    models = pairs_for(a)
     ready = []
     for name in a.names:  # every pair first: built (minutes) or loaded, then checked
         cell = a.cell_specs[name]
@@ -1040,26 +819,25 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results["unavailable"].pop(name, None)
         ready.append(name)
-    start = time.perf_counter()  # --budget_s is for the runs, not the builds above
-    bar = tqdm(desc=f"{a.stem} runs", dynamic_ncols=True, unit="run")
-    for stage in a.stage_list:
-        for name in ready:
-            while todo := pending(a, results, name, stage):
-                if a.budget_s is not None and time.perf_counter() - start > a.budget_s:
-                    tqdm.write(f"budget of {a.budget_s:.0f}s spent; rerun to continue")
-                    save(a, results, out)
-                    return 0
-                method, lr, seed, noise = todo[0]
-                bar.set_postfix_str(f"{name} {method} lr {lr:g} seed {seed}")
-                run = run_one(a, results, models, name, method, lr, seed, noise=noise)
-                results["runs"][run_key(name, method, lr, seed)] = run
-                save(a, results, out)
-                bar.update(1)
-                tqdm.write(f"{name} {method} lr {lr:g} seed {seed}: {run['wall_seconds']:.0f}s, "
-                           f"final {run['final_accuracy']}, evals {len(run['evals'])}")
-    bar.close()
-    save(a, results, out)
-    print(report(a, results))
+
+    def jobs() -> list[tuple[str, tuple[str, str, float, int, bool]]]:
+        # Stage by stage: the first cell with a pending run of the earliest stage that has one.
+        for stage in a.stage_list:
+            for name in ready:
+                if todo := pending(a, results, name, stage):
+                    return [(run_key(name, m, lr, seed), (name, m, lr, seed, noise))
+                            for m, lr, seed, noise in todo]
+        return []
+
+    def run_job(job: tuple[str, str, float, int, bool]) -> dict[str, Any]:
+        name, method, lr, seed, noise = job
+        return run_one(a, results, models, name, method, lr, seed, noise=noise)
+
+    done = harness.run_all(store, jobs, run_job, lambda: save(a, store), budget_s=a.budget_s,
+                           desc=f"{a.stem} runs")
+    save(a, store)
+    if done:
+        print(report(a, results))
     return 0
 
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks import harness
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 
 STEM = "scale"
 
@@ -66,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=440.0,
                    help="seconds for the whole script; runs that would not fit are skipped")
     p.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU: checks the pipeline")
+    p.add_argument("--stem", default=STEM, help="the results' file name (<stem>.json/.md/.png)")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     a = p.parse_args(argv)
     if a.smoke:
         a.size, a.device, a.batch_size, a.steps = "tiny", "cpu", 32, 8
@@ -131,30 +134,26 @@ def build_models(a: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, Any, d
 # --------------------------------------------------------------------------- path geometry
 
 
-class PathRecorder:
-    """Flattened weights at steps 0, 1, 2, 4, … (the search steps), to measure straightness."""
+class PathRecorder(harness.SecantProbe):
+    """The harness's secant probe, plus the weights at every search step (0, 1, 2, 4, …), to
+    compare each displacement from the start with the final one."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.points: dict[int, torch.Tensor] = {0: self._flat()}
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().float().flatten() for p in self.model.parameters()]).clone()
+        super().__init__(model)
+        self.points: dict[int, torch.Tensor] = {0: self.last}
 
     def __call__(self, metrics: dict[str, Any]) -> None:
-        step = metrics["step"]
-        if step > 0 and step & (step - 1) == 0 and "loss" in metrics:
-            self.points[step] = self._flat()
+        super().__call__(metrics)
+        if self.norms and self.norms[-1][0] == metrics["step"]:
+            self.points[metrics["step"]] = self.last
 
     def summary(self) -> dict[str, Any]:
         """Cosines between successive secants, and of each displacement with the last one."""
         steps = sorted(self.points)
-        secants = [(steps[i], self.points[steps[i]] - self.points[steps[i - 1]])
-                   for i in range(1, len(steps))]
         cos = torch.nn.functional.cosine_similarity
-        successive = [{"step": s2, "cos_with_previous_secant": float(cos(d2, d1, dim=0)),
-                       "norm": float(d2.norm())}
-                      for (_, d1), (s2, d2) in zip(secants, secants[1:], strict=False)]
+        norms = dict(self.norms)
+        successive = [{"step": s, "cos_with_previous_secant": c, "norm": norms[s]}
+                      for s, c in self.cosines]
         final = self.points[steps[-1]] - self.points[0]
         to_final = [{"step": s, "cos_displacement_with_final": float(cos(self.points[s] - self.points[0],
                                                                          final, dim=0))}
@@ -170,15 +169,14 @@ def run_opd(a: argparse.Namespace, task: Any, tokenizer: Any, student0: Any, tea
             name: str, lr: float, extrapolate: bool, gate: str = "neg_kl", gate_size: int | None = None,
             coefficients: str = "geometric", out_dir: Path) -> dict[str, Any]:
     from lookahead_opd.integrations.opd.compare import run_variant
-    from lookahead_opd.integrations.opd.config import OPDConfig
 
-    config = OPDConfig(
-        task=a.task, output_dir=str(out_dir / name), batch_size=a.batch_size, max_steps=a.steps,
+    config = harness.opd_config(
+        STEM, name, task=a.task, output_dir=str(out_dir / name), batch_size=a.batch_size, max_steps=a.steps,
         learning_rate=lr, warmup_steps=0, optimizer="adamw", loss="reverse_kl_pg",
         max_grad_norm=1.0, extrapolate=extrapolate, gate=gate,
         gate_size=gate_size or a.gate_size, coefficients=coefficients, max_candidates=5,
         eval_every=a.eval_every, eval_size=a.eval_size, seed=a.seed, device=a.device,
-        progress=False, save_every=0)
+        save_every=0)
     paths: list[PathRecorder] = []
 
     def record_path(model: Any) -> list[PathRecorder]:
@@ -310,6 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     start = time.perf_counter()
     out = Path(a.out)
+    if a.report_only:
+        old = previous_results(out, a.stem)
+        if old is None:
+            raise SystemExit(f"scale: --report-only: no {a.stem}.json in {out}")
+        write_results(str(out), a.stem, old, report(old))
+        plot(old, out / f"{a.stem}.png")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp") / "lookahead-opd-scale"
 
@@ -355,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {run['wall_seconds']:.0f}s, final acc {s['final_accuracy']:.1%}, final KL "
             f"{s['final_reverse_kl']:.4f}, ½-KL at step {s['steps_to_half_kl']}, accepted {s['accepted']}")
         results["elapsed_seconds"] = time.perf_counter() - start
-        write_results(str(out), STEM, results, report(results))
-        plot(results, out / f"{STEM}.png")
+        write_results(str(out), a.stem, results, report(results))
+        plot(results, out / f"{a.stem}.png")
     print(report(results))
     return 0
 

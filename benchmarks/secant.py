@@ -20,21 +20,20 @@ after every run and reused on a rerun (``--fresh`` to start over).
 
     OMP_NUM_THREADS=1 python -m benchmarks.secant                  # ~30 CPU-minutes
     python -m benchmarks.secant --quick --out /tmp/secant          # the pipeline only
+    python -m benchmarks.secant --report-only                      # rewrite md from the json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, write_results
-from benchmarks.speedup import BASE_LOSS, BASE_LR, PAIRS, Models
+from benchmarks import harness
+from benchmarks.common import markdown_table
+from benchmarks.speedup import BASE_LR, PAIRS, pair_of
 
 STEM = "secant_auc"
 LR_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -59,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--fresh", action="store_true", help="ignore results of an earlier run")
     p.add_argument("--quick", action="store_true", help="a few steps of two runs (CI)")
+    p.add_argument("--report-only", action="store_true", help="rewrite the md from the json")
     a = p.parse_args(argv)
     a.variants = [g.strip() for g in a.variants.split(",")]
     unknown = [g for g in a.variants if g not in VARIANTS]
@@ -76,23 +76,21 @@ def schedule(steps: int, every: int) -> str:
     return ",".join(str(s) for s in sorted({1, 2, 4, *range(every, steps + 1, every)}) if s <= steps)
 
 
-def run_one(a: argparse.Namespace, models: Models, variant: str, m: float, seed: int) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.compare import run_variant
-    from lookahead_opd.integrations.opd.config import OPDConfig
-    from lookahead_opd.integrations.opd.tasks import load_task
-
-    pair = models.get(PAIR)
+def run_one(a: argparse.Namespace, models: harness.Pairs, variant: str, m: float,
+            seed: int) -> dict[str, Any]:
+    pair = pair_of(models, PAIR)
     task = PAIRS[PAIR][0]
     gate_options = dict(VARIANTS[variant])
     if a.quick:
         gate_options["gate_size"] = 20
-    config = OPDConfig(
-        task=task, output_dir=f"/tmp/lookahead-opd-secant/{variant}-{m:g}-{seed}", max_steps=a.steps,
-        batch_size=a.batch_size, learning_rate=BASE_LR * m, warmup_steps=4, loss=BASE_LOSS,
-        eval_every=0, eval_size=50 if a.quick else 200, seed=seed, progress=False,
-        extrapolate=True, coefficients="geometric",
+    config = harness.opd_config(
+        "secant", f"{variant}-{m:g}-{seed}", task=task, max_steps=a.steps,
+        batch_size=a.batch_size, learning_rate=BASE_LR * m, warmup_steps=4, eval_every=0,
+        eval_size=50 if a.quick else 200, seed=seed, extrapolate=True, coefficients="geometric",
         schedule=schedule(a.steps, a.every), **gate_options)
-    run = run_variant(config, pair["student"], pair["teacher"], load_task(task), pair["tokenizer"])
+    run = harness.run(config, pair, task)
+    if run["crashed"]:
+        raise RuntimeError(f"secant run {variant} lr×{m:g} seed {seed}: {run['crashed']}")
     keys = ("step", "secant_cosine", "norm_ratio", "accepted", "n_evals", "seconds", "coefficients")
     return {"variant": variant, "lr_multiplier": m, "lr": config.learning_rate, "seed": seed,
             "final_accuracy": run["final_accuracy"], "wall_seconds": run["wall_seconds"],
@@ -226,42 +224,46 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tqdm.auto import tqdm
+def save(store: harness.Store) -> None:
+    store.data["summary"] = summarize(list(store.runs.values()))
+    store.save(report(store.data))
 
+
+def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(1)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{STEM}.json"
-    config = {k: v for k, v in vars(a).items() if k not in ("out", "fresh", "cache_dir")}
-    results: dict[str, Any] = {"runs": {}}
-    if path.exists() and not a.fresh:
-        old = json.loads(path.read_text())
-        if {k: old["config"].get(k) for k in ("steps", "every", "batch_size")} == {
-                k: config[k] for k in ("steps", "every", "batch_size")}:
-            results = old
-    results["config"] = {**config, "lrs": list(a.lrs)}
-    results["machine"] = machine_info(torch.device("cpu"))
-    models = Models(a.cache_dir, progress=True)
-    # Seeds outermost: a run cut short still covers every variant and learning rate.
-    todo = [(v, m, seed) for seed in range(a.seeds) for v in a.variants for m in a.lrs
-            if f"{v}/{m:g}/{seed}" not in results["runs"]]
-    bar = tqdm(todo, desc="secant runs", dynamic_ncols=True)
-    for variant, m, seed in bar:
-        bar.set_postfix_str(f"{variant} lr×{m:g} seed {seed}")
-        t0 = time.perf_counter()
-        results["runs"][f"{variant}/{m:g}/{seed}"] = run = run_one(a, models, variant, m, seed)
-        results["summary"] = summarize(list(results["runs"].values()))
-        write_results(str(out), STEM, results, report(results))
+    store = harness.Store(a.out, STEM, fresh=a.fresh)
+    if a.report_only:
+        if store.old is None:
+            raise SystemExit(f"secant: --report-only: no {STEM}.json in {a.out}")
+        store.data = store.old
+        save(store)
+        return 0
+    config = {k: v for k, v in vars(a).items()
+              if k not in ("out", "fresh", "cache_dir", "report_only")}
+    same = ("steps", "every", "batch_size")
+    if store.old is not None and all(store.old["config"].get(k) == config[k] for k in same):
+        store.data = store.old
+    store.data["config"] = {**config, "lrs": list(a.lrs)}
+    store.stamp()
+    models = harness.Pairs(a.cache_dir)
+
+    def jobs() -> list[tuple[str, tuple[str, float, int]]]:
+        # Seeds outermost: a run cut short still covers every variant and learning rate.
+        return [(f"{v}/{m:g}/{seed}", (v, m, seed))
+                for seed in range(a.seeds) for v in a.variants for m in a.lrs]
+
+    def describe(key: str, run: dict[str, Any]) -> str:
         kept = sum(s["accepted"] is not None for s in run["searches"])
-        tqdm.write(f"{variant} lr×{m:g} seed {seed}: {time.perf_counter() - t0:.0f}s, "
-                   f"{kept}/{len(run['searches'])} searches kept, AUC within runs "
-                   f"{_f(results['summary']['all']['auc_within_runs'])}")
-    if results["runs"]:
-        results["summary"] = summarize(list(results["runs"].values()))
-        write_results(str(out), STEM, results, report(results))
-        print(report(results))
+        within = store.data["summary"]["all"]["auc_within_runs"]
+        return (f"{key}: {run['wall_seconds']:.0f}s, {kept}/{len(run['searches'])} searches "
+                f"kept, AUC within runs {_f(within)}")
+
+    harness.run_all(store, jobs, lambda job: run_one(a, models, *job), lambda: save(store),
+                    desc="secant runs", describe=describe)
+    if store.runs:
+        save(store)
+        print(report(store.data))
     return 0
 
 

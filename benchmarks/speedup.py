@@ -28,6 +28,7 @@ killed benchmark loses one run at most. ``--quick`` checks the pipeline in CI (n
 
     python -m benchmarks.speedup                 # the full study (about an hour of one core)
     python -m benchmarks.speedup --quick --out /tmp/speedup
+    python -m benchmarks.speedup --report-only   # rewrite md/png from the json
 """
 
 from __future__ import annotations
@@ -35,19 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, markdown_table, previous_results, write_results
+from benchmarks import harness
+from benchmarks.common import markdown_table
+from benchmarks.harness import EFFOPD as _EFFOPD
+from benchmarks.harness import fmt_range, mean
 
 STEM = "speedup"
 # Full-vocabulary reverse KL at lr 1e-3: on this task the teacher is near one-hot, and the
 # sampled-token policy-gradient estimator (the paper's) barely moved the student in 300 steps
 # (27% -> 36-40% at lr 1e-4..3e-4, worse above), while the exact loss reached 68% (probe runs).
-BASE_LOSS = "reverse_kl"
 BASE_LR = 1e-3
 LR_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
 RETENTION_BUDGET = 0.02
@@ -63,7 +65,6 @@ PAIRS: dict[str, tuple[str, str, str]] = {
     "multiop": ("arithmetic:ops=+-", "tiny", "same-base"),
 }
 
-_EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
 _PAPER = dict(extrapolate=True, gate="accuracy", gate_size=50, coefficients="linear",
               extrapolate_params="transformer_blocks")
 
@@ -129,6 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="speedup.json files of other runs (e.g. a parallel process) to take runs from")
     p.add_argument("--fresh", action="store_true", help="ignore results of an earlier run")
     p.add_argument("--quick", action="store_true", help="a few steps of a few variants (CI)")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     a = p.parse_args(argv)
     if a.quick:
         a.variants, a.max_seeds, a.steps = ",".join(QUICK_VARIANTS), 1, 6
@@ -144,70 +146,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- models
 
 
-class Models:
-    """Loads each zoo pair once (building it on first use) and the teacher's accuracy."""
-
-    def __init__(self, cache_dir: str | None, progress: bool) -> None:
-        self.cache_dir, self.progress = cache_dir, progress
-        self._pairs: dict[str, dict[str, Any]] = {}
-
-    def get(self, key: str) -> dict[str, Any]:
-        if key not in self._pairs:
-            from lookahead_opd.integrations.opd.zoo import build_pair
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            task, size, regime = PAIRS[key]
-            pair = build_pair(self.cache_dir, task_spec=task, size=size, teacher_regime=regime,
-                              progress=self.progress)
-            self._pairs[key] = {
-                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
-                "student": AutoModelForCausalLM.from_pretrained(pair.student_path, dtype=torch.float32),
-                "teacher": AutoModelForCausalLM.from_pretrained(pair.teacher_path, dtype=torch.float32),
-                "accuracies": pair.accuracies, "path": str(pair.student_path),
-            }
-        return self._pairs[key]
+def pair_of(pairs: harness.Pairs, key: str) -> dict[str, Any]:
+    """The zoo pair ``PAIRS[key]``."""
+    task, size, regime = PAIRS[key]
+    return pairs.get(task, regime, size=size)
 
 
 def accuracy_on(model: Any, tokenizer: Any, task_spec: str, n: int) -> float:
-    from lookahead_opd.integrations.opd.tasks import load_task
-    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
-
-    task = load_task(task_spec)
-    return greedy_accuracy(model, tokenizer, task, task.problems("test", min(n, len(task.problems("test"))),
-                                                              seed=12345))
+    return harness.accuracy(model, tokenizer, task_spec, n, seed=12345)
 
 
 # --------------------------------------------------------------------------- runs
 
 
-def run_one(a: argparse.Namespace, models: Models, name: str, seed: int) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.compare import run_variant
-    from lookahead_opd.integrations.opd.config import OPDConfig
-    from lookahead_opd.integrations.opd.tasks import load_task
-
+def run_one(a: argparse.Namespace, models: harness.Pairs, name: str, seed: int) -> dict[str, Any]:
     spec = VARIANTS[name]
-    pair = models.get(spec["pair"])
+    pair = pair_of(models, spec["pair"])
     task_spec = spec["task"] or PAIRS[spec["pair"]][0]
     overrides = dict(spec["config"])
     batch = overrides.pop("batch_size", a.batch_size)
     if a.quick:
         batch = min(batch, a.batch_size)
         overrides["gate_size"] = min(overrides.get("gate_size", 50), 20)
-    config = OPDConfig(
-        task=task_spec, output_dir=f"/tmp/lookahead-opd-speedup/{name}-{seed}", max_steps=a.steps,
-        batch_size=batch, learning_rate=overrides.pop("learning_rate", BASE_LR), warmup_steps=4,
-        loss=overrides.pop("loss", BASE_LOSS), eval_every=a.eval_every, eval_size=a.eval_size, seed=seed, progress=False, **overrides)
+    config = harness.opd_config(
+        STEM, f"{name}-{seed}", task=task_spec, max_steps=a.steps, batch_size=batch,
+        learning_rate=overrides.pop("learning_rate", BASE_LR), warmup_steps=4,
+        eval_every=a.eval_every, eval_size=a.eval_size, seed=seed, **overrides)
     retention = None
     if spec["pair"] == "multiop":  # what the not-distilled operation keeps
         retention = lambda m: accuracy_on(m, pair["tokenizer"], "arithmetic:ops=-", a.eval_size)  # noqa: E731
-    run = run_variant(config, pair["student"], pair["teacher"], load_task(task_spec),
-                      pair["tokenizer"], on_student=retention)
+    run = harness.run(config, pair, task_spec, on_student=retention)
     run.update(variant=name, seed=seed, lr=config.learning_rate, group=spec["group"])
     return run
 
 
-def teacher_accuracy(models: Models, spec: dict[str, Any]) -> float:
-    pair = models.get(spec["pair"])
+def teacher_accuracy(models: harness.Pairs, spec: dict[str, Any]) -> float:
+    pair = pair_of(models, spec["pair"])
     if spec["task"] is None:
         return pair["accuracies"]["teacher"]
     return accuracy_on(pair["teacher"], pair["tokenizer"], spec["task"], 2000)
@@ -275,23 +249,7 @@ def _paired(plain: dict[str, Any], variant: dict[str, Any], key: str) -> tuple[f
     seeds = [s for s in variant["seeds"] if s in plain["seeds"]]
     p = [plain[key][plain["seeds"].index(s)] for s in seeds]
     w = [variant[key][variant["seeds"].index(s)] for s in seeds]
-    return _mean(p), _mean(w)
-
-
-def _mean(xs: list[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return statistics.fmean(vals) if len(vals) == len(xs) and vals else None
-
-
-def _fmt_range(xs: list[float | None], fmt: str = "{:.0f}") -> str:
-    if not xs:
-        return "—"
-    if any(x is None for x in xs):
-        reached = sum(x is not None for x in xs)
-        return f"{reached}/{len(xs)} reached" + (
-            f" ({fmt.format(statistics.fmean([x for x in xs if x is not None]))})" if reached else "")
-    m = statistics.fmean(xs)
-    return f"{fmt.format(m)} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
+    return mean(p), mean(w)
 
 
 def best_lr(summary: dict[str, Any], prefix: str, baseline_retention: float | None,
@@ -308,7 +266,7 @@ def best_lr(summary: dict[str, Any], prefix: str, baseline_retention: float | No
                 continue
             if min(s["retention"]) < baseline_retention - budget:
                 continue
-        steps = _mean(s[key])
+        steps = mean(s[key])
         if steps is not None and (best_steps is None or steps < best_steps):
             best, best_steps = f"{prefix}@x{m:g}", steps
     return best
@@ -347,10 +305,10 @@ def report(results: dict[str, Any]) -> str:
                 speed_low = "—" if p is None or w is None else f"{p / w:.2f}×"
             jumps = "; ".join(" ".join(f"{st}:{c:g}" for st, c in js) or "none"
                               for js in v["accepted_jumps"]) if any(v["searches"]) else "—"
-            rows.append([name, f"{v['lr']:g}", _fmt_range(v["steps_to_target"]),
-                         _fmt_range(v["seconds_to_target"], "{:.1f}"), speed,
-                         _fmt_range(v["steps_to_low_target"]), speed_low,
-                         _fmt_range(v["final_accuracy"], "{:.1%}"), jumps,
+            rows.append([name, f"{v['lr']:g}", fmt_range(v["steps_to_target"], single=False),
+                         fmt_range(v["seconds_to_target"], "{:.1f}", single=False), speed,
+                         fmt_range(v["steps_to_low_target"], single=False), speed_low,
+                         fmt_range(v["final_accuracy"], "{:.1%}", single=False), jumps,
                          v["jumps_still_ahead_8_steps_later"] or "—"])
         if rows:
             lines += [f"## {group}", "", markdown_table(headers, rows), ""]
@@ -371,7 +329,7 @@ def report(results: dict[str, Any]) -> str:
                 lines.append(f"- {label}, to {what}: not measurable (no lr {why}reaching it on every "
                              f"seed: best plain {bp}, best EffOPD {be})")
                 continue
-            sp, se = _mean(s[bp][key]), _mean(s[be][key])
+            sp, se = mean(s[bp][key]), mean(s[be][key])
             lines.append(f"- {label}, to {what}: best plain {bp} ({sp:.0f} steps), best EffOPD "
                          f"{be} ({se:.0f} steps): **{sp / se:.2f}×** fewer steps with EffOPD")
     if results.get("baseline_retention") is not None:
@@ -442,16 +400,26 @@ def plot(results: dict[str, Any], out: Path) -> None:
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tqdm.auto import tqdm
+def save(store: harness.Store, plots: bool = True) -> None:
+    store.data["summary"] = summarize(store.data)
+    store.save(report(store.data))
+    if plots:
+        plot(store.data, store.out)
 
+
+def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    results: dict[str, Any] = {"runs": {}, "targets": {}}
-    old = previous_results(out, STEM, fresh=a.fresh)
-    if old is not None and old.get("config", {}).get("steps") == a.steps:
-        results = old
+    store = harness.Store(a.out, STEM, fresh=a.fresh)
+    results = store.data
+    results["targets"] = {}
+    if store.old is not None and (a.report_only or store.old.get("config", {}).get("steps") == a.steps):
+        results.update(store.old)
+    if a.report_only:
+        if store.old is None:
+            raise SystemExit(f"speedup: --report-only: no {STEM}.json in {a.out}")
+        save(store)
+        return 0
     for other in a.merge:
         theirs = json.loads(Path(other).read_text())
         results["runs"].update(theirs["runs"])
@@ -459,33 +427,27 @@ def main(argv: list[str] | None = None) -> int:
         if theirs.get("baseline_retention") is not None:
             results["baseline_retention"] = theirs["baseline_retention"]
     results["config"] = {k: v for k, v in vars(a).items() if k != "names"}
-    results["machine"] = machine_info(torch.device("cpu"))
-    models = Models(a.cache_dir, progress=True)
-    todo = [(n, seed) for n in a.names for seed in range(min(VARIANTS[n]["seeds"], a.max_seeds))
-            if f"{n}/{seed}" not in results["runs"]]
-    bar = tqdm(todo, desc="speedup runs", dynamic_ncols=True)
-    for name, seed in bar:
-        bar.set_postfix_str(f"{name} seed {seed}")
+    store.stamp()
+    models = harness.Pairs(a.cache_dir)
+
+    def jobs() -> list[tuple[str, tuple[str, int]]]:
+        return [(f"{n}/{seed}", (n, seed)) for n in a.names
+                for seed in range(min(VARIANTS[n]["seeds"], a.max_seeds))]
+
+    def run_job(job: tuple[str, int]) -> dict[str, Any]:
+        name, seed = job
         spec = VARIANTS[name]
         if name not in results["targets"]:
             results["targets"][name] = 0.9 * teacher_accuracy(models, spec)
         if spec["pair"] == "multiop" and results.get("baseline_retention") is None:
-            pair = models.get("multiop")
+            pair = pair_of(models, "multiop")
             results["baseline_retention"] = accuracy_on(pair["student"], pair["tokenizer"],
                                                         "arithmetic:ops=-", a.eval_size)
-        t0 = time.perf_counter()
-        run = run_one(a, models, name, seed)
-        run["train_seconds"] = {str(k): v for k, v in run["train_seconds"].items()}
-        results["runs"][f"{name}/{seed}"] = run
-        results["summary"] = summarize(results)
-        write_results(str(out), STEM, results, report(results))
-        tqdm.write(f"{name} seed {seed}: {time.perf_counter() - t0:.0f}s, final acc "
-                   f"{run['final_accuracy']:.1%}, steps to target "
-                   f"{results['summary'][name]['steps_to_target'][-1]}")
+        return run_one(a, models, name, seed)
+
+    harness.run_all(store, jobs, run_job, lambda: save(store, plots=False), desc="speedup runs")
     if results["runs"]:
-        results["summary"] = summarize(results)
-        write_results(str(out), STEM, results, report(results))
-        plot(results, out)
+        save(store)
         print(report(results))
     return 0
 

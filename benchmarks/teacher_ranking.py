@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import harness
 from benchmarks.common import machine_info, markdown_table, write_results
 
 FULL = dict(
@@ -288,7 +289,6 @@ def _diagnostic_scores(report: Any, names: list[str]) -> dict[str, list[float | 
 
 
 def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
@@ -375,10 +375,11 @@ def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> 
     for s, name in tqdm(todo, desc="OPD runs", disable=quick, dynamic_ncols=True):
         student = _load(student_path)
         teacher = make_teacher(name, student)
-        cfg = OPDConfig(output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
-                        loss=c["loss"], batch_size=c["batch_size"], max_steps=c["opd_steps"],
-                        learning_rate=c["learning_rate"], warmup_steps=c["warmup_steps"],
-                        eval_every=0, eval_size=c["eval_size"], seed=seed + s, progress=False)
+        cfg = harness.opd_config(
+            "teacher_ranking", name, output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
+            loss=c["loss"], batch_size=c["batch_size"], max_steps=c["opd_steps"],
+            learning_rate=c["learning_rate"], warmup_steps=c["warmup_steps"], eval_every=0,
+            eval_size=c["eval_size"], seed=seed + s)
         trainer = OPDTrainer(cfg, student, teacher, task,
                              HFEngine(student, tok, batch_size=256), tokenizer=tok)
         t2 = time.perf_counter()

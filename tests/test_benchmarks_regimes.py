@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from benchmarks import regimes  # noqa: E402
+from benchmarks import harness, regimes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,8 @@ def test_the_gate_line_reports_only_counted_cells():
     assert "took 1.0–3.0% of its training clock: a 2.0 [1.0–3.0]%." in line and "b " not in line
     assert regimes.gate_line({"b": cell([0.5], counts=False)}) == ""
     run = {"gate_seconds": 2.0, "train_seconds": {"9": 10.0, "10": 40.0}}
-    assert regimes.gate_share(run) == 0.05  # of the clock at the run's last step
-    assert regimes.gate_share({"gate_seconds": 0.0, "train_seconds": {}}) is None
+    assert harness.gate_share(run) == 0.05  # of the clock at the run's last step
+    assert harness.gate_share({"gate_seconds": 0.0, "train_seconds": {}}) is None
 
 
 def test_every_cell_config_is_valid():
@@ -144,7 +144,7 @@ def test_every_cell_config_is_valid():
         assert cell["optimizer"] in ("adamw", "sgd")
         for lr in cell["lrs"]:
             OPDConfig(task="arithmetic", learning_rate=lr, batch_size=cell["prompts"],
-                      loss=regimes.LOSS, **regimes.EFFOPD).validate(check_paths=False)
+                      loss=harness.LOSS, **harness.EFFOPD).validate(check_paths=False)
 
 
 def test_retention_gate_rejects_every_jump_past_the_budget():
@@ -165,9 +165,9 @@ def test_retention_gate_rejects_every_jump_past_the_budget():
     held = load_task("arithmetic:ops=-")
     held_out = {"task": held, "problems": held.problems("gate", 8)}
     config = OPDConfig(task="arithmetic", output_dir="/tmp/lookahead-opd-test-retention",
-                       max_steps=2, batch_size=4, learning_rate=1e-3, loss=regimes.LOSS,
+                       max_steps=2, batch_size=4, learning_rate=1e-3, loss=harness.LOSS,
                        eval_every=0, eval_size=8, progress=False,
-                       **{**regimes.EFFOPD, "gate_size": 8})
+                       **{**harness.EFFOPD, "gate_size": 8})
     class Rising(OPDTrainer):
         calls = 0
 

@@ -1,0 +1,421 @@
+"""The one benchmark harness: what the OPD studies share, so each study is a short file of its
+own questions (which runs, what to compare, the report).
+
+- **cells and pairs**: the regime map's cells (task, prompts per step, teacher, optimizer) and
+  ``Pairs``, which loads each zoo pair once — from ``benchmarks/zoo``, the committed pairs, so a
+  study reproduces on another machine instead of rebuilding a different pair;
+- ``opd_config``: an ``OPDConfig`` with the studies' defaults (full-vocabulary reverse KL, no
+  progress bar, a scratch output folder per run);
+- ``run``: one OPD run through ``run_variant``, with its training clock, its gate accounting and
+  its searches, a crash or a time limit kept as a partial record instead of an exception;
+- ``SecantProbe``: the eval curve, the clock and the secant cosine of the path at the search
+  steps, measured with the library's ``SecantSketch``;
+- ``Store``: the study's ``<stem>.json`` of run records, resumed on a rerun and rewritten with
+  the report after every run; ``run_all`` is the resume loop;
+- the steps-to-fraction tables: ``reached``, ``fmt_range``, ``train_clock``, ``gate_share``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+import torch
+
+from benchmarks.common import machine_info, previous_results, write_results
+
+ZOO = Path(__file__).resolve().parent / "zoo"  # the committed pairs (a zoo cache folder)
+LOSS = "reverse_kl"  # every study's loss unless it asks for another
+# EffOPD as the studies run it: −reverse-KL gate on 128 fixed rollouts, geometric c.
+EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
+FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
+# What a run record keeps of each search (``JumpRecord``): enough to replay the gate's bill.
+JUMP_KEYS = ("step", "score_before", "accepted", "coefficients", "scores", "n_evals", "seconds",
+             "secant_cosine", "norm_ratio")
+
+# --------------------------------------------------------------------------- cells and pairs
+
+# task key -> OPD task spec. The long task: a worked solution of 20-80 tokens, then the answer.
+TASKS = {"short": "arithmetic", "long": "longadd"}
+# level -> (task key, prompts per step)
+LEVELS = {"short-32": ("short", 32), "short-512": ("short", 512), "long-128": ("long", 128)}
+# teacher key -> zoo teacher_regime
+TEACHERS = {"sft": "same-base", "rl": "rl", "retention": "retention"}
+# The retention pair (zoo regime ``retention``): a base competent on + and on the steep part of
+# −, a teacher SFT'd on the mix; − is distilled, + is measured.
+RETENTION = {"task": "arithmetic:ops=-", "held_out": "arithmetic:ops=+"}
+
+
+def cell(level: str, teacher: str, optimizer: str, lrs: Sequence[float], *, kind: str = "main",
+         stage2: str = "two-best") -> tuple[str, dict[str, Any]]:
+    """A regime cell: ``(name, spec)`` with the task, prompts per step, teacher and optimizer."""
+    task_key, prompts = LEVELS[level]
+    task = RETENTION["task"] if kind == "retention" else TASKS[task_key]
+    return f"{level}/{teacher}/{optimizer}", {
+        "level": level, "task": task, "prompts": prompts, "teacher": teacher,
+        "optimizer": optimizer, "lrs": list(lrs), "kind": kind, "stage2": stage2}
+
+
+class Pairs:
+    """Loads each zoo pair once (building it on first use, into ``cache_dir``: by default the
+    committed ``benchmarks/zoo``); a pair the zoo cannot build (a teacher regime or task not
+    there yet) is remembered with the reason, as ``{"error": ...}``."""
+
+    def __init__(self, cache_dir: str | Path | None = None, size: str = "tiny",
+                 device: str = "cpu", progress: bool = True) -> None:
+        self.cache_dir = ZOO if cache_dir is None else cache_dir
+        self.size, self.device, self.progress = size, device, progress
+        self._pairs: dict[tuple[str, str, str], dict[str, Any]] = {}
+
+    def get(self, task_spec: str, teacher: str, size: str | None = None) -> dict[str, Any]:
+        """The pair of ``task_spec`` and ``teacher`` (a ``TEACHERS`` key or a zoo regime)."""
+        size = size or self.size
+        key = (task_spec, teacher, size)
+        if key not in self._pairs:
+            from lookahead_opd.integrations.opd.zoo import build_pair
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            regime = TEACHERS.get(teacher, teacher)
+            extra = {"retain": [RETENTION["held_out"]]} if regime == "retention" else {}
+            try:
+                pair = build_pair(self.cache_dir, task_spec=task_spec, size=size,
+                                  teacher_regime=regime, progress=self.progress,
+                                  device=self.device, **extra)
+            except (ValueError, RuntimeError) as err:  # regime or task not in the zoo yet
+                self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
+                return self._pairs[key]
+
+            def load(path: Path) -> Any:
+                return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+
+            self._pairs[key] = {
+                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
+                "student": load(pair.student_path), "teacher": load(pair.teacher_path),
+                "accuracies": pair.accuracies, "path": str(pair.student_path),
+                "build": Path(pair.student_path).parent.name,
+            }
+        return self._pairs[key]
+
+
+def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, Any]) -> str | None:
+    """Why ``pair`` is not the pair the json's earlier runs of this task and teacher used, or
+    None. Zoo builds are seeded but not reproducible across machines and thread counts, so a
+    rebuilt pair can differ; runs on two different pairs must not be mixed in one study."""
+    key = f"{cell['task']}|{cell['teacher']}"
+    record = {"build": pair["build"], "accuracies": pair["accuracies"]}
+    seen = results.setdefault("pairs", {}).get(key)
+    if seen is None:
+        # A json written before pairs were recorded: the teachers' accuracies in its bases.
+        old = [b["teacher"] for k, b in results["bases"].items() if k.startswith(key + "|")]
+        if cell["kind"] == "retention" or not old or math.isclose(old[0], pair["accuracies"]["teacher"]):
+            results["pairs"][key] = record
+            return None
+        seen = {"build": "an earlier build", "accuracies": {"teacher": old[0]}}
+    common = [k for k, v in record["accuracies"].items()
+              if isinstance(v, float) and isinstance(seen["accuracies"].get(k), float)]
+    if all(math.isclose(seen["accuracies"][k], record["accuracies"][k]) for k in common):
+        return None
+
+    def accs(d: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {v:.1%}" for k, v in d.items() if isinstance(v, float))
+
+    return (f"the zoo pair here ({pair['build']}: {accs(record['accuracies'])}) is not the one the "
+            f"json's {key} runs used ({seen['build']}: {accs(seen['accuracies'])}); write this "
+            "study elsewhere with --out, or start over with --fresh")
+
+
+def load_task(spec: str) -> Any:
+    from lookahead_opd.integrations.opd.tasks import load_task as load
+
+    return load(spec)
+
+
+def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
+    """A run's eval set: ``n`` test problems, or all of them when the split holds fewer."""
+    return task.problems("test", min(n, len(task.problems("test"))), seed=seed)
+
+
+def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> float:
+    """Greedy exact match of ``model`` on ``eval_problems(task_spec, n, seed)``."""
+    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
+
+    task = load_task(task_spec)
+    return greedy_accuracy(model, tokenizer, task, eval_problems(task, n, seed))
+
+
+def base_and_targets(results: dict[str, Any], pairs: Pairs, cell: dict[str, Any], seed: int,
+                     eval_size: int) -> dict[str, Any]:
+    """The base's accuracy on this seed's eval set, the teacher's (all of test), the gain's
+    standard error and the accuracy at each of ``FRACTIONS`` of the gain; kept in
+    ``results["bases"]`` under ``task|teacher|seed``."""
+    key = f"{cell['task']}|{cell['teacher']}|{seed}"
+    if key not in results["bases"]:
+        pair = pairs.get(cell["task"], cell["teacher"])
+        base = accuracy(pair["student"], pair["tokenizer"], cell["task"], eval_size, seed)
+        if cell["kind"] == "retention":
+            teacher = accuracy(pair["teacher"], pair["tokenizer"], cell["task"], 10**9, 0)
+        else:
+            teacher = pair["accuracies"]["teacher"]
+        n = len(eval_problems(load_task(cell["task"]), eval_size, seed))
+        se = math.sqrt(base * (1 - base) / n + teacher * (1 - teacher) / n)
+        entry = {"base": base, "teacher": teacher, "eval_n": n, "gain": teacher - base,
+                 "gain_se": se, "targets": {f"{f:g}": base + f * (teacher - base) for f in FRACTIONS}}
+        if cell["kind"] == "retention":
+            entry["retention_base"] = accuracy(pair["student"], pair["tokenizer"],
+                                               RETENTION["held_out"], eval_size, seed)
+        results["bases"][key] = entry
+    return results["bases"][key]
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def opd_config(study: str, name: str, **fields: Any) -> Any:
+    """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, no progress bar, and the
+    scratch folder ``/tmp/lookahead-opd-<study>/<name>``."""
+    from lookahead_opd.integrations.opd.config import OPDConfig
+
+    return OPDConfig(**{"loss": LOSS, "progress": False,
+                        "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
+
+
+class Run(TypedDict, total=False):
+    """A run record as ``run`` writes it (studies add their own keys: cell, method, lr, seed)."""
+
+    evals: list[list[float]]  # [step, greedy accuracy], step 0 first
+    train_seconds: dict[str, float]  # step -> the run's training clock (gate included)
+    jumps: list[dict[str, Any]]  # the searches, ``JUMP_KEYS`` of each
+    summary: dict[str, Any] | None  # ``ExtrapolatingOptimizer.summary()``
+    gate_evals: int
+    gate_seconds: float
+    wall_seconds: float
+    final_accuracy: float | None
+    extra: Any  # ``on_student``'s value
+    crashed: str | None  # the error that ended it (NaN weights make sampling fail)
+    stopped: str | None  # the time limit that ended it (a partial curve)
+    secant_cosines: list[tuple[int, float]]  # (search step, cosine), from ``SecantProbe``
+    tokens_per_step: float | None
+
+
+class OutOfTime(Exception):
+    """Raised by ``SecantProbe`` when a run passes its time limit."""
+
+
+class SecantProbe:
+    """An ``OPDTrainer`` callback: the eval curve, the clock and the tokens of a run, and the
+    secant cosine ``cos(W_s − W_{s/2}, W_{s/2} − W_{s/4})`` at the search steps 1, 2, 4, …:
+    how well one window's displacement predicts the next, the bet a jump ``W + c·Δ`` makes.
+    The cosine is the library's estimate (``SecantSketch``, within 0.05 of the exact one), so
+    the probe keeps one copy of the weights, the last search step's. Raises ``OutOfTime`` past
+    ``time_limit`` seconds of training, after recording the step."""
+
+    def __init__(self, model: torch.nn.Module, time_limit: float | None = None) -> None:
+        from lookahead_opd.sketch import SecantSketch
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.time_limit = time_limit
+        self.sketch = SecantSketch(sum(p.numel() for p in self.params))
+        self.last = self._flat()  # the weights at the last search step (step 0 first)
+        self.cosines: list[tuple[int, float]] = []
+        self.norms: list[tuple[int, float]] = []  # ‖W_s − W_{s/2}‖ (exact)
+        self.tokens: list[int] = []
+        self.evals: list[list[float]] = []
+        self.seconds: dict[str, float] = {}
+
+    def _flat(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).float().cpu() for p in self.params])
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        step = m["step"]
+        self.seconds[str(step)] = m["train_seconds"]
+        if "eval_accuracy" in m:
+            self.evals.append([step, m["eval_accuracy"]])
+        if "num_tokens" in m:
+            self.tokens.append(int(m["num_tokens"]))
+        if self.time_limit is not None and m["train_seconds"] > self.time_limit:
+            raise OutOfTime(f"stopped at step {step}: past {self.time_limit:.0f}s of training")
+        if step < 1 or step & (step - 1) or "loss" not in m:
+            return
+        now = self._flat()
+        sketch = self.sketch.measure([(0, now - self.last, None)])
+        cosine, _ = self.sketch.compare(sketch)
+        self.sketch.remember(sketch)
+        self.norms.append((step, math.sqrt(float(sketch[-1]))))
+        if cosine is not None:
+            self.cosines.append((step, cosine))
+        self.last = now
+
+
+def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float | None = None,
+        on_student: Callable[[torch.nn.Module], Any] | None = None,
+        trainer_class: type | None = None, engine_batch_size: int = 1024,
+        callbacks: Callable[[torch.nn.Module], list[Any]] | None = None) -> Run:
+    """One OPD run of ``config`` from ``pair``'s student (a copy), its record with a
+    ``SecantProbe``'s cosines; ``callbacks(model)`` adds the study's own. A crash (NaN weights make sampling fail) or ``time_limit``
+    seconds of training end it with the curve so far: ``crashed`` or ``stopped`` says which."""
+    from lookahead_opd.integrations.opd.compare import run_variant
+
+    probes: list[SecantProbe] = []
+
+    def watch(model: torch.nn.Module) -> list[Any]:
+        probes.append(SecantProbe(model, time_limit))
+        return [*probes, *(callbacks(model) if callbacks else ())]
+
+    t0 = time.perf_counter()
+    try:
+        record = run_variant(config, pair["student"], pair["teacher"], load_task(task_spec),
+                             pair["tokenizer"], callbacks=watch, on_student=on_student,
+                             trainer_class=trainer_class, engine_batch_size=engine_batch_size)
+        record["jumps"] = [{k: j[k] for k in JUMP_KEYS if k in j} for j in record["jumps"]]
+        record["crashed"] = record["stopped"] = None
+    except (RuntimeError, ValueError, OutOfTime) as err:
+        probe = probes[0] if probes else None
+        stopped = isinstance(err, OutOfTime)
+        evals = probe.evals if probe is not None and probe.evals else []
+        record = {"evals": evals, "train_seconds": probe.seconds if probe is not None else {},
+                  "jumps": [], "final_accuracy": evals[-1][1] if stopped and evals else None,
+                  "extra": None, "gate_evals": 0, "gate_seconds": 0.0,
+                  "crashed": None if stopped else f"{type(err).__name__}: {err}"[:300],
+                  "stopped": str(err) if stopped else None}
+    record["train_seconds"] = {str(k): v for k, v in record["train_seconds"].items()}
+    record.pop("reverse_kl", None)
+    record["wall_seconds"] = time.perf_counter() - t0
+    if probes:
+        record["secant_cosines"] = probes[0].cosines
+        record["tokens_per_step"] = statistics.fmean(probes[0].tokens) if probes[0].tokens else None
+    return record
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class Store:
+    """A study's ``<stem>.json`` under ``out``: ``runs`` (key -> run record) and the study's own
+    fields, resumed from an earlier json unless ``fresh``; ``save`` rewrites it with the report
+    after every run, so a killed study loses one run at most. ``commands`` and ``machines``
+    accumulate the calls and machines the runs came from."""
+
+    def __init__(self, out: str | Path, stem: str, *, fresh: bool = False) -> None:
+        self.out, self.stem = Path(out), stem
+        self.old = previous_results(self.out, stem, fresh=fresh)
+        self.data: dict[str, Any] = {"runs": {}}
+
+    def resume(self, *keys: str, default: Callable[[], Any] = dict) -> None:
+        """Take ``runs`` and ``keys`` from the earlier json (``default()`` where it has none)."""
+        old = self.old or {}
+        for key in ("runs", *keys):
+            self.data[key] = old.get(key, default())
+
+    def stamp(self, device: str = "cpu") -> None:
+        """Record this call: its machine, and its command and CPU among the runs' own."""
+        self.data["machine"] = info = machine_info(torch.device(device))
+        for key, value in (("commands", info["command"]), ("machines", info["cpu_model"])):
+            seen = self.data.setdefault(key, [])
+            if value not in seen:
+                seen.append(value)
+
+    @property
+    def runs(self) -> dict[str, Any]:
+        return self.data["runs"]
+
+    def save(self, markdown: str) -> list[str]:
+        return write_results(str(self.out), self.stem, self.data, markdown)
+
+
+def run_all(store: Store, jobs: Callable[[], Sequence[tuple[str, Any]]],
+            run_job: Callable[[Any], dict[str, Any]], save: Callable[[], None], *,
+            budget_s: float | None = None, desc: str = "runs",
+            describe: Callable[[str, dict[str, Any]], str] | None = None) -> bool:
+    """The resume loop: while ``jobs()`` (asked again after every run, so a plan may depend on
+    the runs so far) lists ``(key, job)`` pairs whose key is not in the store, run the first,
+    store it and ``save()``. Starts no run after ``budget_s`` seconds; returns False then."""
+    from tqdm.auto import tqdm
+
+    start = time.perf_counter()
+    bar = tqdm(desc=desc, dynamic_ncols=True, unit="run")
+    try:
+        while todo := [(k, j) for k, j in jobs() if k not in store.runs]:
+            if budget_s is not None and time.perf_counter() - start > budget_s:
+                tqdm.write(f"budget of {budget_s:.0f}s spent; rerun to continue")
+                return False
+            key, job = todo[0]
+            bar.set_postfix_str(key)
+            store.runs[key] = record = run_job(job)
+            save()
+            bar.update(1)
+            tqdm.write(describe(key, record) if describe else
+                       f"{key}: {record.get('wall_seconds', 0):.0f}s, final {record.get('final_accuracy')}")
+    finally:
+        bar.close()
+    return True
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def mean(xs: Sequence[float | None]) -> float | None:
+    """The mean, or None when there is nothing or a value is missing."""
+    return statistics.fmean(xs) if xs and all(x is not None for x in xs) else None  # type: ignore[arg-type]
+
+
+def fmt_range(xs: Sequence[Any], fmt: str = "{:.0f}", *, single: bool = True) -> str:
+    """``mean [min–max]`` over seeds ('k/n reached (mean of those)' when some are None; one
+    value alone as itself unless ``single=False``)."""
+    if not xs:
+        return "—"
+    got = [x for x in xs if x is not None]
+    if len(got) < len(xs):
+        return f"{len(got)}/{len(xs)} reached" + (f" ({fmt.format(statistics.fmean(got))})" if got else "")
+    if len(xs) == 1 and single:
+        return fmt.format(xs[0])
+    return f"{fmt.format(statistics.fmean(xs))} [{fmt.format(min(xs))}–{fmt.format(max(xs))}]"
+
+
+def train_clock(run: dict[str, Any]) -> float | None:
+    """A run's training clock (gate included) at its last step; None if it recorded none."""
+    clock = run.get("train_seconds")
+    return clock[max(clock, key=int)] if clock else None
+
+
+def gate_share(run: dict[str, Any]) -> float | None:
+    """The share of a run's training clock its gate took (0 for plain OPD)."""
+    total = train_clock(run)
+    return run["gate_seconds"] / total if total else None
+
+
+def reached(run: dict[str, Any], targets: dict[str, float],
+            fractions: Iterable[float] = FRACTIONS) -> dict[str, Any]:
+    """Steps and seconds (its clock at that step) to each fraction of the gain; None: not
+    reached within the run."""
+    from lookahead_opd.integrations.opd.compare import steps_to_target
+
+    out: dict[str, Any] = {}
+    for f in fractions:
+        s = steps_to_target(run["evals"], targets[f"{f:g}"])
+        out[f"steps_{f:g}"] = s
+        out[f"seconds_{f:g}"] = None if s is None else run["train_seconds"].get(str(s), 0.0)
+    return out
+
+
+def degraded(run: dict[str, Any]) -> bool:
+    """The run broke: a crash (NaN), or a final accuracy below its start."""
+    if run.get("crashed") or run["final_accuracy"] is None or math.isnan(run["final_accuracy"]):
+        return True
+    return run["final_accuracy"] < run["evals"][0][1]
+
+
+def rank_key(runs: list[dict[str, Any]], targets: dict[str, float],
+             fractions: Sequence[float] = FRACTIONS) -> tuple[float, float, float]:
+    """Smaller is better: the highest fraction reached on every run, then mean steps to it,
+    then minus the mean final accuracy."""
+    finals = [r["final_accuracy"] or 0.0 for r in runs]
+    for i, f in enumerate(reversed(fractions)):
+        steps = [reached(r, targets, (f,))[f"steps_{f:g}"] for r in runs]
+        if all(s is not None for s in steps):
+            return (float(i), statistics.fmean(steps), -statistics.fmean(finals))
+    return (float(len(fractions)), 0.0, -statistics.fmean(finals))
