@@ -32,7 +32,6 @@ from .losses import LOSSES
 __all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "with_defaults"]
 
 _ENGINES = ("hf", "vllm")
-_OPTIMIZERS = ("adamw", "adam", "sgd")
 _GATES = ("accuracy", "neg_kl", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
@@ -81,7 +80,11 @@ class OPDConfig(EffOPDOptions):
     discount: float = option(0.0, "reverse_kl_pg: discount of later tokens' advantages")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1)
     # optimizer
-    optimizer: str = option("adamw", "base optimizer", choices=_OPTIMIZERS)
+    optimizer: str = option("adamw", "base optimizer: adamw, adam, sgd, prodigy, mechanic:<name> "
+                            "(Mechanic around <name>), or an import path (torch.optim.RAdam, "
+                            "pkg.module:Name); see lookahead_opd.integrations.opd.optimizers")
+    optimizer_kwargs: str = option("", "extra keyword arguments of the optimizer, a JSON object "
+                                   "(e.g. '{\"d0\": 1e-5}' for prodigy)")
     learning_rate: float = option(1e-6, "peak learning rate (the paper: 1e-6)")
     warmup_steps: int = option(0, "linear warmup steps, then constant", minimum=0)
     weight_decay: float = option(0.0, "weight decay")
@@ -140,6 +143,10 @@ class OPDConfig(EffOPDOptions):
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+        from .optimizers import optimizer_factory, optimizer_kwargs
+
+        optimizer_factory(self.optimizer)  # imports it: a bad name fails here, before any model
+        optimizer_kwargs(self.optimizer_kwargs)
         if self.loss == "drgrpo" and self.num_samples < 2:
             raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
         for name in self.report_to_list():

@@ -49,6 +49,7 @@ from .config import OPDConfig
 from .engines import Engine, Rollout
 from .losses import compute_loss, group_advantages, reverse_kl_loss
 from .metrics import MetricsLog
+from .optimizers import OptimizerFactory, build_optimizer, optimizer_kwargs
 from .ranks import Ranks
 from .scoring import greedy_accuracy, score_tokens
 from .sharding import require_process_group, shard
@@ -90,8 +91,10 @@ class OPDTrainer:
         *,
         tokenizer: Any = None,
         callbacks: list[Callable[[dict[str, Any]], None]] | None = None,
+        optimizer_factory: OptimizerFactory | None = None,
     ) -> None:
         config.validate(check_paths=False)
+        self.optimizer_factory = optimizer_factory  # replaces config.optimizer when given
         self.config, self.student, self.teacher, self.task, self.engine = (
             config, student, teacher, task, engine)
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
@@ -156,13 +159,9 @@ class OPDTrainer:
     def _build_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
         params = [p for p in self.student.parameters() if p.requires_grad]
-        if c.optimizer == "sgd":
-            base: torch.optim.Optimizer = torch.optim.SGD(params, lr=c.learning_rate,
-                                                          momentum=c.momentum,
-                                                          weight_decay=c.weight_decay)
-        else:
-            cls = torch.optim.AdamW if c.optimizer == "adamw" else torch.optim.Adam
-            base = cls(params, lr=c.learning_rate, weight_decay=c.weight_decay)
+        base = build_optimizer(self.optimizer_factory or c.optimizer, params, lr=c.learning_rate,
+                               weight_decay=c.weight_decay, momentum=c.momentum,
+                               warmup=c.warmup_steps > 0, **optimizer_kwargs(c.optimizer_kwargs))
         if not c.extrapolate:
             return base
         # gate="none": a score that rises at every call, so every candidate is kept (the fixed,
