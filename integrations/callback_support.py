@@ -46,7 +46,10 @@ def check_extrapolator_options(options: Mapping[str, Any]) -> None:
             f"{reserved} are set by ExtrapolationCallback itself "
             "(the params come from params=, the optimizer from the trainer)"
         )
-    ExtrapolationOptions.from_kwargs(options)
+    if ExtrapolationOptions.from_kwargs(options).lr_follow is not None:
+        raise ValueError("lr_follow scales the optimizer's steps inside ExtrapolatingOptimizer."
+                         "step(); pass Trainer(optimizers=(ExtrapolatingOptimizer(...), None)) "
+                         "to use it")
 
 
 def build_extrapolator(params: ParamsSpec, eval_fn: Callable[[], float], optimizer: Any,

@@ -419,7 +419,8 @@ class OPDTrainer:
             "gate_evals": self.gate_evals,
             "gate_seconds": self.gate_seconds,
         }
-        if self.config.fsdp:
+        if self.config.fsdp:  # the base state goes in shards: lr_follow's scale beside it
+            state["lr_scale"] = getattr(self.optimizer, "lr_scale", 1.0)
             extrapolator = getattr(self.optimizer, "extrapolator", None)
             rank_state = {  # this rank's: anchor shards, gate-set slice, RNG
                 "extrapolator": None if extrapolator is None else extrapolator.state_dict(),
@@ -457,6 +458,8 @@ class OPDTrainer:
             extrapolator = getattr(self.optimizer, "extrapolator", None)
             if extrapolator is not None and mine["extrapolator"] is not None:
                 extrapolator.load_state_dict(mine["extrapolator"])
+            if getattr(self.optimizer, "lr_follow", None) is not None:
+                self.optimizer.lr_scale = float(state.get("lr_scale", 1.0))
             self._gate_sequences, rng = mine["gate_sequences"], mine["rng"]
         else:
             if path is not None:

@@ -173,6 +173,9 @@ class Extrapolator:
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
         o = self.options = ExtrapolationOptions.from_kwargs(options)
+        if o.lr_follow is not None:  # it acts in the optimizer's step, which this does not own
+            raise ValueError("lr_follow scales the base optimizer's steps inside "
+                             "ExtrapolatingOptimizer.step(); wrap the optimizer in one to use it")
         if o.on_jump == "reset" and optimizer is None:
             raise ValueError("on_jump='reset' needs the optimizer whose state to reset")
         self.eval_fn = eval_fn

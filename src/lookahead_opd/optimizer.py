@@ -8,6 +8,17 @@ The wrapper stays out of the base optimizer's way (as ``timm``'s Lookahead does)
 the base's ``param_groups``, ``state`` and ``defaults`` so LR schedulers, ``GradScaler`` and
 ``isinstance`` checks see one optimizer, delegates ``step``/``zero_grad``/``add_param_group``,
 and runs its ``Extrapolator`` after each step.
+
+``lr_follow=cap`` (experimental) makes a kept jump carry into the learning rate: a kept jump
+of ``c`` says the window's steps covered ``1/(1 + c)`` of the distance that paid, so the scale
+on the base optimizer's lr is multiplied by ``1 + c`` (at most ``cap``); a search that refuses
+its first candidate (``c = 1`` by default) halves it, not below 1. The scale is applied inside
+``step()`` only — every group's ``lr`` is multiplied just before the base step and restored
+right after — so an LR scheduler that rewrites ``param_groups[...]["lr"]`` each step
+(``LambdaLR``, chained schedulers) never sees it: it neither erases nor compounds it. It
+changes only at searches, so once ``patience`` stops them it stays where the last one left
+it. It is a function of the searches' decisions, which are the same on every rank, and is
+saved in ``state_dict`` (restored exactly).
 """
 
 from __future__ import annotations
@@ -20,10 +31,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .extrapolator import Extrapolator, JumpRecord, ParamsSpec, Summary
+from .options import ExtrapolationOptions
 
 __all__ = ["ExtrapolatingOptimizer"]
 
 _EXTRAPOLATOR_KEY = "extrapolator"
+_LR_FOLLOW_KEY = "lr_follow_scale"
 
 
 class ExtrapolatingOptimizer(Optimizer):
@@ -35,7 +48,8 @@ class ExtrapolatingOptimizer(Optimizer):
         params: which parameters to extrapolate; default every parameter of ``base`` that
             requires grad (and those of groups added later with ``add_param_group``).
         **options: keyword options of ``Extrapolator`` (``schedule``, ``coefficients``,
-            ``snapshot``, ``rank``, ``direction``, ``on_jump``, ``reduce``, …).
+            ``snapshot``, ``rank``, ``direction``, ``on_jump``, ``reduce``, …), and
+            ``lr_follow`` (see the module doc).
 
     ``state_dict()`` is the base's state dict plus an ``"extrapolator"`` entry; a plain
     base-optimizer state dict loads too (the extrapolator keeps its own state).
@@ -67,6 +81,8 @@ class ExtrapolatingOptimizer(Optimizer):
         self._follows_base = params is None
         if params is None:
             params = self._trainable(base.param_groups)
+        self.lr_follow = ExtrapolationOptions(lr_follow=options.pop("lr_follow", None)).lr_follow
+        self.lr_scale = 1.0  # lr_follow's factor on every group's lr, inside step() only
         self.extrapolator = Extrapolator(params, eval_fn, optimizer=base, **options)
 
     @staticmethod
@@ -118,10 +134,34 @@ class ExtrapolatingOptimizer(Optimizer):
         return self.extrapolator.step_count
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One base step, then the extrapolator's ``after_step`` (a search when scheduled)."""
-        loss = self.base.step() if closure is None else self.base.step(closure)
+        """One base step (its lrs times ``lr_scale``), then the extrapolator's ``after_step``
+        (a search when scheduled)."""
+        if self.lr_scale == 1.0:
+            loss = self.base.step() if closure is None else self.base.step(closure)
+        else:
+            lrs = [group["lr"] for group in self.base.param_groups]
+            for group, lr in zip(self.base.param_groups, lrs, strict=True):
+                group["lr"] = lr * self.lr_scale
+            try:
+                loss = self.base.step() if closure is None else self.base.step(closure)
+            finally:  # the scheduler's lr again: the scale is never seen outside the step
+                for group, lr in zip(self.base.param_groups, lrs, strict=True):
+                    group["lr"] = lr
+        searches = len(self.history)
         self.extrapolator.after_step()
+        if self.lr_follow is not None and len(self.history) > searches:
+            self.lr_scale = self.followed_scale(self.lr_scale, self.history[-1])
         return loss
+
+    def followed_scale(self, scale: float, record: JumpRecord) -> float:
+        """``lr_scale`` after the search ``record``: times ``1 + c`` (at most ``lr_follow``)
+        for a kept jump of ``c > 0``, halved (not below 1) when it refused its first candidate,
+        unchanged when it tried none."""
+        if record.accepted is not None and record.accepted > 0:
+            return min(float(self.lr_follow), scale * (1.0 + record.accepted))
+        if record.accepted is None and record.coefficients:
+            return max(1.0, scale / 2.0)
+        return scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base.zero_grad(set_to_none=set_to_none)
@@ -138,11 +178,16 @@ class ExtrapolatingOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         state = self.base.state_dict()
         state[_EXTRAPOLATOR_KEY] = self.extrapolator.state_dict()
+        if self.lr_follow is not None:
+            state[_LR_FOLLOW_KEY] = self.lr_scale
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         state = dict(state_dict)
         extrapolator_state = state.pop(_EXTRAPOLATOR_KEY, None)
+        # A state saved without lr_follow resumes at 1; one saved with it, at its scale.
+        self.lr_scale = float(state.pop(_LR_FOLLOW_KEY, 1.0)) if self.lr_follow is not None else 1.0
+        state.pop(_LR_FOLLOW_KEY, None)
         self.base.load_state_dict(state)
         if extrapolator_state is not None:
             self.extrapolator.load_state_dict(extrapolator_state)

@@ -83,6 +83,10 @@ class ExtrapolationOptions:
     patience: int | None = option(
         None, "stop searching for good once this many searches in a row kept no jump, and free "
         "the anchor (None: search at every scheduled step)")
+    lr_follow: float | None = option(
+        None, "experimental, ExtrapolatingOptimizer only: after a kept jump of c, scale the base "
+        "optimizer's steps (1 + c) times more, up to this factor; halve the scale (not below 1) "
+        "when a search refuses its first candidate (None: off)")
     snapshot: Any = option(SNAPSHOTS[0], "the anchor's store (also a SnapshotStore object)", choices=SNAPSHOTS,
                            cli_type=str)
     rank: int | None = option(None, "rank of the lowrank snapshot")
@@ -121,6 +125,11 @@ class ExtrapolationOptions:
             r = getattr(self, name)
             if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
                 raise ValueError(f"{name} must be None or an int >= 1, got {r!r}")
+        f = self.lr_follow
+        if f is not None and (isinstance(f, bool) or not isinstance(f, numbers.Real)
+                              or not math.isfinite(f) or f <= 1):
+            raise ValueError(f"lr_follow must be None or a finite number > 1 (the largest "
+                             f"factor on the base optimizer's lr), got {f!r}")
         if isinstance(self.snapshot, SnapshotStore):
             if self.rank is not None or self.reference is not None:
                 raise ValueError("rank= and reference= configure a snapshot by name; set them on "
