@@ -15,7 +15,7 @@ Staged, so the most informative runs come first and a budget cut leaves a usable
   has not degraded — final accuracy below its start, or a crash / NaN — and by ½ while plain's
   best is the lowest);
 - ``noise``: the gradient-noise scale ``B_noise = tr(Σ)/|G|²`` at plain's best lr (see
-  ``NoiseProbe``), and every run records its secant cosine (``SecantProbe``);
+  ``NoiseProbe``), and every run records its secant cosine (``harness.SecantProbe``);
 - stage 2: seeds 1 and 2 at each method's two best stage-1 lrs (SGD: the best; the retention
   cell: the three best, those within its budget first).
 
@@ -183,13 +183,6 @@ def pairs_for(a: argparse.Namespace) -> harness.Pairs:
     return harness.Pairs(a.cache_dir, size=a.size, device=a.device)
 
 
-check_pair = harness.check_pair
-
-
-def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> float:
-    return harness.accuracy(model, tokenizer, task_spec, n, seed)
-
-
 # --------------------------------------------------------------------------- probes
 
 
@@ -313,7 +306,7 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: harness.Pair
                                          bt["retention_base"] - RETENTION_BUDGET)
 
         def on_student(m: Any) -> float:
-            return accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
+            return harness.accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
     probes: list[NoiseProbe] = []
 
     def noise_probe(model: torch.nn.Module) -> list[NoiseProbe]:
@@ -812,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         cell = a.cell_specs[name]
         pair = models.get(cell["task"], cell["teacher"])
         why = (f"pair not available: {pair['error']}" if "error" in pair
-               else check_pair(results, cell, pair))
+               else harness.check_pair(results, cell, pair))
         if why is not None:
             results["unavailable"][name] = why
             tqdm.write(f"regimes: skipping {name}: {why}")

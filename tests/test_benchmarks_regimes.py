@@ -107,9 +107,9 @@ def test_a_rebuilt_pair_that_differs_is_refused(smoke, monkeypatch):
     legacy = {"pairs": {}, "bases": {f"{key}|0": {"teacher": 0.5}}}
     cell = {"task": key.split("|")[0], "teacher": key.split("|")[1], "kind": "main"}
     pair = {"build": "b", "accuracies": {"teacher": 0.5}}
-    assert regimes.check_pair(legacy, cell, pair) is None and legacy["pairs"][key]["build"] == "b"
+    assert harness.check_pair(legacy, cell, pair) is None and legacy["pairs"][key]["build"] == "b"
     legacy = {"pairs": {}, "bases": {f"{key}|0": {"teacher": 0.5}}}
-    why = regimes.check_pair(legacy, cell, {**pair, "accuracies": {"teacher": 0.4}})
+    why = harness.check_pair(legacy, cell, {**pair, "accuracies": {"teacher": 0.4}})
     assert "(b: teacher 40.0%)" in why and "(an earlier build: teacher 50.0%)" in why
 
 
