@@ -133,9 +133,10 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def ddp_worker(rank: int, reduce: str, offset) -> dict:
+def ddp_worker(rank: int, reduce: str, offset, options: dict | None = None) -> dict:
     """DDP training whose gate is this rank's gate half plus ``offset(rank, k)`` at the
-    ``k``-th evaluation. Records the raw scores and the weights each evaluation saw."""
+    ``k``-th evaluation (``options``: more ``ExtrapolatingOptimizer`` options). Records the raw
+    scores, the weights each evaluation saw, and ``lr_scale`` after each step."""
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model)
     raw: list[float] = []
@@ -146,10 +147,18 @@ def ddp_worker(rank: int, reduce: str, offset) -> dict:
         raw.append(gate_score(ddp, rank) + offset(rank, len(raw)))
         return raw[-1]
 
-    opt = ExtrapolatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), eval_fn, reduce=reduce)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), eval_fn, reduce=reduce,
+                                 **(options or {}))
     after: dict[int, dict[str, torch.Tensor]] = {}
-    train(ddp, opt, rank, lambda step: after.__setitem__(step, _params(model)))
+    scales: list[float] = []
+
+    def record(step: int) -> None:
+        after[step] = _params(model)
+        scales.append(opt.lr_scale)
+
+    train(ddp, opt, rank, record)
     return {
+        "scales": scales,
         "history": [r.to_dict() for r in opt.history],
         "raw": raw,
         "seen": seen,

@@ -129,6 +129,16 @@ def test_ddp_ranks_decide_together(tmp_path, reduce):
     assert overruled == ([0, 1] if reduce == "mean" else [1])
 
 
+def test_lr_follow_scale_is_the_same_on_every_rank(tmp_path):
+    """Ranks whose own scores would decide differently follow the shared decision, and so does
+    the lr scale that the decisions set."""
+    results = w.launch(w.ddp_worker, tmp_path, "mean", w.alternating, {"lr_follow": 8.0})
+    _assert_same_everywhere(results)
+    assert results[0]["scales"] == results[1]["scales"]
+    kept = [h["accepted"] for h in results[0]["history"] if h["accepted"] is not None]
+    assert kept and max(results[0]["scales"]) > 1.0  # a kept jump raised it
+
+
 def test_nan_on_one_rank_rejects_on_all(tmp_path):
     results = w.launch(w.ddp_worker, tmp_path, "mean", w.nan_on_rank1_first_candidate)
     _assert_same_everywhere(results)
