@@ -305,11 +305,12 @@ class Store:
         self.old = previous_results(self.out, stem, fresh=fresh)
         self.data: dict[str, Any] = {"runs": {}}
 
-    def resume(self, *keys: str, default: Callable[[], Any] = dict) -> None:
-        """Take ``runs`` and ``keys`` from the earlier json (``default()`` where it has none)."""
+    def resume(self, **fields: Callable[[], Any]) -> None:
+        """Take ``runs`` and ``fields`` from the earlier json (``fields[key]()`` where it has
+        none, e.g. ``bases=dict, commands=list``)."""
         old = self.old or {}
-        for key in ("runs", *keys):
-            self.data[key] = old.get(key, default())
+        for key, empty in {"runs": dict, **fields}.items():
+            self.data[key] = old.get(key, empty())
 
     def stamp(self, device: str = "cpu") -> None:
         """Record this call: its machine, and its command and CPU among the runs' own."""

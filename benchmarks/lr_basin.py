@@ -403,11 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     store = harness.Store(a.out, a.stem, fresh=a.fresh)
-    store.resume("bases", "unavailable", "pairs", "commands", "machines", default=dict)
+    store.resume(bases=dict, unavailable=dict, pairs=dict, commands=list, machines=list)
     results = store.data
-    for key in ("commands", "machines"):
-        if not isinstance(results[key], list):
-            results[key] = []
     if a.report_only:
         if store.old is None:
             raise SystemExit(f"lr_basin: --report-only: no {a.stem}.json in {a.out}")

@@ -779,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     store = harness.Store(a.out, a.stem, fresh=a.fresh)
     results, old = store.data, store.old
-    store.resume("bases", "unavailable", "pairs")
+    store.resume(bases=dict, unavailable=dict, pairs=dict)
     if old is not None:
         results["commands"] = old.get("commands", [])
         # The machines the runs so far ran on (a json from before this record: its last one).
