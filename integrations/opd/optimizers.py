@@ -81,12 +81,10 @@ def optimizer_factory(spec: str | OptimizerFactory) -> OptimizerFactory:
 def optimizer_kwargs(text: str) -> dict[str, Any]:
     """``optimizer_kwargs``: a JSON object of extra keyword arguments (lists become tuples, as
     ``betas`` wants), or the empty string."""
-    if not text.strip():
-        return {}
     try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"optimizer_kwargs must be a JSON object, got {text!r} ({err})") from None
+        kwargs = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        kwargs = None
     if not isinstance(kwargs, dict):
         raise ValueError(f"optimizer_kwargs must be a JSON object, got {text!r}")
     return {k: tuple(v) if isinstance(v, list) else v for k, v in kwargs.items()}
