@@ -5,7 +5,7 @@ On regime-map cells (``benchmarks/regimes.py``) and the committed zoo pairs, wit
 warm-up** (a warm-up is what early kept jumps made up for in ``regimes-nowarmup``):
 
 1. AdamW's best lr on this pair, seed 0 (the regime map's grid a factor 2 apart, extended ×2
-   while the top lr has not degraded and ½ while the best is the lowest);
+   while the best is the highest and ½ while it is the lowest);
 2. from every starting lr ``best × 2^k``, k = −5..1 (best/32 … best×2), one run per method,
    best/16 first: ``adamw``; ``effopd`` (−reverse-KL gate, geometric c, searches at 1, 2, 4, 8,
    …); ``effopd-every`` (the same, searching every ``EVERY`` steps); ``effopd-follow``
@@ -39,7 +39,7 @@ from benchmarks.common import markdown_table
 from benchmarks.harness import EFFOPD, fmt_range
 
 STEM = "lr_basin"
-CELLS = ("long-128/sft/adamw", "short-512/rl/adamw", "long-128/rl/adamw")
+CELLS = ("short-512/rl/adamw", "long-128/rl/adamw", "long-128/sft/adamw")  # cheapest first
 FACTORS = tuple(2.0**k for k in range(-5, 2))  # starting lr / best lr
 CONSERVATIVE = 1 / 16  # the user's conservative start, × best
 SEED_FACTORS = (1 / 16, 1 / 4, 1.0)  # where the 3 seeds run
@@ -153,19 +153,21 @@ def _bt(a: argparse.Namespace, results: dict[str, Any], cell: str, seed: int) ->
 
 
 def search_lrs(a: argparse.Namespace, results: dict[str, Any], cell: str) -> list[float]:
-    """The AdamW lr search (seed 0), as far as its runs so far decide it: the cell's lrs, ×2
-    past the top while it has not degraded, ½ below the bottom while it is the best (two
+    """The AdamW lr search (seed 0), as far as its runs so far decide it: the cell's lrs, then
+    one lr further out while the best is at an end (×2 at the top, ½ at the bottom; two
     extensions each way)."""
     lrs = list(a.cell_specs[cell]["lrs"])
     adamw = runs_of(results, cell, "adamw")
-    for _ in range(2):
-        if lrs[-1] not in adamw or harness.degraded(adamw[lrs[-1]]):
+    for _ in range(4):
+        if any(lr not in adamw for lr in lrs):
             break
-        lrs.append(lrs[-1] * 2)
-    for _ in range(2):
-        if any(lr not in adamw for lr in lrs) or _best(a, results, cell, lrs) != lrs[0]:
+        best = _best(a, results, cell, lrs)
+        if best == lrs[-1] and lrs[-1] / a.cell_specs[cell]["lrs"][-1] < 4:
+            lrs.append(lrs[-1] * 2)
+        elif best == lrs[0] and a.cell_specs[cell]["lrs"][0] / lrs[0] < 4:
+            lrs.insert(0, lrs[0] / 2)
+        else:
             break
-        lrs.insert(0, lrs[0] / 2)
     return lrs
 
 

@@ -40,7 +40,7 @@ def test_the_plan_searches_first_then_runs_from_best_over_16_outwards():
             "final_accuracy": evals[-1][1], "crashed": None, "train_seconds": {"0": 0.0}}
 
     for lr, reach in zip(cell["lrs"], (60, 40, 80, None), strict=True):
-        add(lr, reach, final=0.2 if reach is None else 0.7)  # the top lr degraded: no ×2
+        add(lr, reach, final=0.2 if reach is None else 0.7)  # the best inside: no extension
     best = cell["lrs"][1]
     assert lr_basin.best_lr(a, results, name) == best
     todo = lr_basin.plan(a, results, name)
@@ -54,6 +54,29 @@ def test_the_plan_searches_first_then_runs_from_best_over_16_outwards():
     # Grid runs at other lrs do not move the best lr the grid was built around.
     add(best / 8, 10)
     assert lr_basin.best_lr(a, results, name) == best
+
+
+def test_the_search_goes_one_lr_further_while_the_best_is_at_an_end():
+    a = lr_basin.parse_args(["--cells", "long-128/sft/adamw"])
+    name = "long-128/sft/adamw"
+    cell = a.cell_specs[name]
+    lrs = cell["lrs"]
+    results = {"runs": {}, "bases": {f"{cell['task']}|{cell['teacher']}|0": {
+        "base": 0.3, "targets": {"0.5": 0.5, "0.75": 0.6, "0.9": 0.7}}}}
+
+    def add(lr, reach):
+        results["runs"][lr_basin.run_key(name, "adamw", lr, 0)] = {
+            "cell": name, "method": "adamw", "lr": lr, "seed": 0, "crashed": None,
+            "evals": [[0, 0.3], [reach, 0.7]], "final_accuracy": 0.7, "train_seconds": {}}
+
+    for lr, reach in zip(lrs, (40, 60, 80, 100), strict=True):  # the lowest is the best
+        add(lr, reach)
+    assert lr_basin.search_lrs(a, results, name) == [lrs[0] / 2, *lrs]
+    add(lrs[0] / 2, 30)
+    assert lr_basin.search_lrs(a, results, name) == [lrs[0] / 4, lrs[0] / 2, *lrs]
+    add(lrs[0] / 4, 20)  # two extensions at most
+    assert lr_basin.search_lrs(a, results, name)[0] == lrs[0] / 4
+    assert lr_basin.best_lr(a, results, name) == lrs[0] / 4
 
 
 def test_unknown_cells_and_methods_are_clear_errors():
