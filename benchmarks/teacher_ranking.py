@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from benchmarks import harness
-from benchmarks.common import machine_info, markdown_table, write_results
+from benchmarks.common import machine_info, markdown_table, previous_results, write_results
 
 FULL = dict(
     # teachers
@@ -699,7 +699,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch threads (1: fastest for these tiny models on a shared CPU)")
     parser.add_argument("--stop_after", type=int, default=None,
                         help="run at most this many OPD runs now (rerun to resume)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        stem = "teacher_ranking_quick" if args.quick else "teacher_ranking"
+        data = previous_results(args.output_dir, stem)
+        if data is None:
+            raise SystemExit(f"teacher_ranking: --report-only: no {stem}.json in {args.output_dir}")
+        write_results(args.output_dir, stem, data, _markdown(data))
+        if data.get("analysis"):
+            _plot(data, Path(args.output_dir) / PLOT)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     run(args.quick, args.output_dir, args.seed, args.stop_after)

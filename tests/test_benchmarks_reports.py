@@ -11,7 +11,15 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from benchmarks import geometry, patience, regimes, scale, secant, speedup  # noqa: E402
+from benchmarks import (  # noqa: E402
+    geometry,
+    patience,
+    regimes,
+    scale,
+    secant,
+    speedup,
+    teacher_ranking,
+)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -26,6 +34,7 @@ REPORTS = [
     (geometry, "", "geometry", []),
     (scale, "", "scale-h200-seed0", ["--stem", "scale-h200-seed0"]),
     (scale, "", "scale-h200-seed1", ["--stem", "scale-h200-seed1"]),
+    (teacher_ranking, "", "teacher_ranking", []),
 ]
 
 
@@ -34,7 +43,8 @@ REPORTS = [
 def test_report_only_rewrites_the_committed_report(tmp_path, study, folder, stem, argv):
     committed = RESULTS / folder
     shutil.copy(committed / f"{stem}.json", tmp_path / f"{stem}.json")
-    assert study.main(["--report-only", "--out", str(tmp_path), *argv]) == 0
+    out = "--output_dir" if study is teacher_ranking else "--out"
+    assert study.main(["--report-only", out, str(tmp_path), *argv]) == 0
     assert (tmp_path / f"{stem}.md").read_bytes() == (committed / f"{stem}.md").read_bytes()
 
 
