@@ -176,11 +176,14 @@ def base_and_targets(results: dict[str, Any], pairs: Pairs, cell: dict[str, Any]
 
 def opd_config(study: str, name: str, **fields: Any) -> Any:
     """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, no progress bar, and the
-    scratch folder ``/tmp/lookahead-opd-<study>/<name>``."""
+    scratch folder ``/tmp/lookahead-opd-<study>/<name>``; validated here, so that a bad option
+    (or an optimizer not installed) stops the study instead of reading as a crashed run."""
     from lookahead_opd.integrations.opd.config import OPDConfig
 
-    return OPDConfig(**{"loss": LOSS, "progress": False,
-                        "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
+    config = OPDConfig(**{"loss": LOSS, "progress": False,
+                          "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
+    config.validate(check_paths=False)
+    return config
 
 
 class Run(TypedDict, total=False):
