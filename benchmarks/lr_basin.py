@@ -59,6 +59,11 @@ METHODS = {  # name -> OPDConfig fields (lr handled per method in config_for)
 }
 
 
+# What the report says of the runs: taken from the json by ``--report-only``.
+REPORT_OPTIONS = ("max_steps", "eval_every", "eval_size", "gate_size", "method_list", "factors",
+                  "seed_factors", "seeds", "sweep")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/results")
@@ -243,9 +248,9 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell: str) ->
     out["basin"] = {}
     for fr in FRACTIONS:
         ref = methods.get("adamw", {}).get("1", {}).get(f"steps_{fr:g}", [None])[0]
-        out["basin"][f"{fr:g}"] = {
+        out["basin"][f"{fr:g}"] = {  # only over a method's whole grid: a part would shrink it
             m: basin({float(f): d[f"steps_{fr:g}"][0] for f, d in per.items()}, ref)
-            for m, per in methods.items()}
+            if len(per) == len(a.factors) else None for m, per in methods.items()}
     sweep = runs_of(results, cell, "adamw")
     c0 = best * CONSERVATIVE
     out["sweep"] = {}
@@ -411,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         if store.old is None:
             raise SystemExit(f"lr_basin: --report-only: no {a.stem}.json in {a.out}")
         results["machine"] = store.old["machine"]
+        results["config"] = config = store.old.get("config", {})
+        for key in REPORT_OPTIONS:  # the runs' options, not this call's defaults
+            setattr(a, key, config.get(key, getattr(a, key)))
         save(a, store)
         return 0
     results["config"] = {k: v for k, v in vars(a).items() if k != "cell_specs"}
