@@ -13,7 +13,8 @@ scores over the aligned positions ``[B, T]`` (position ``t`` predicts ``tokens[:
 asks the model for the logits of its last position only (``logits_to_keep=1``) and checks that
 its own ``OutputHead`` reproduces them: a model whose head transforms logits in a way
 ``OutputHead`` does not know is refused in one line, never scored with a silently different
-loss.
+loss. Under FSDP2 the root module reshards the ``lm_head`` after its forward, so the chunked
+form gathers it once per call (``OutputHead.unsharded``), its gradient reduce-scattered back.
 
 Pure torch: this module must not import transformers (models are duck-typed).
 """
@@ -99,6 +100,27 @@ class OutputHead:
             scale = scale / divide
         softcap = getattr(text, "final_logit_softcapping", None) or None
         return cls(head.weight, head.bias, vocab_size=vocab_size, scale=scale, softcap=softcap)
+
+    def unsharded(self, dtype: torch.dtype) -> OutputHead:
+        """This head with an FSDP2-sharded weight and bias (``DTensor``s: after the root
+        module's forward they are resharded) all-gathered once, in ``dtype`` (the dtype the
+        forward computed in, under mixed precision). Their gradients go back to the shards
+        summed over the ranks (a reduce-scatter), as FSDP reduces the other parameters'
+        (``sharding.shard`` sums). The same head when nothing is sharded."""
+        def full(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or type(t).__name__ != "DTensor":
+                return t
+            from torch.distributed.tensor import Partial, Replicate
+
+            ndim = t.device_mesh.ndim
+            return t.redistribute(placements=[Replicate()] * ndim).to_local(
+                grad_placements=[Partial()] * ndim).to(dtype)
+
+        weight = full(self.weight)
+        if weight is self.weight:
+            return self
+        return OutputHead(weight, full(self.bias), vocab_size=self.vocab_size, scale=self.scale,
+                          softcap=self.softcap)
 
     def check(self, hidden: torch.Tensor, logits: torch.Tensor, what: str) -> None:
         """Raise ``ValueError`` unless this head maps ``hidden`` ``[n, H]`` to the model's own
@@ -332,5 +354,6 @@ def model_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torc
         raise ValueError(f"--loss_chunk_size: {type(model).__name__} does not return its hidden "
                          f"states with logits_to_keep ({err}); use --loss_chunk_size 0") from None
     hidden = out.hidden_states[-1]
+    head = head.unsharded(hidden.dtype)
     head.check(hidden[:, -1], out.logits[:, -1], type(model).__name__)
     return NextTokenLogits(hidden[:, :-1], head, chunk_size)
