@@ -8,8 +8,8 @@ included) against a teacher ``lm_head`` on ``N`` completion tokens of random fin
 at SmolLM2's shape (hidden 576, vocab 49,152) and Qwen2.5-0.5B's (hidden 896, vocab 151,936).
 Each configuration runs in its own process, since a process's peak RSS only grows: "loss peak"
 is the peak RSS during the loss minus the RSS before it (inputs and weights allocated). A
-method is only run where its expected peak (its largest measured bytes per logit at smaller
-sizes × N × V) stays under ``--max_gib``, so this benchmark never takes a shared machine's
+method is only run where its expected peak (``_expected_bytes``, from its smaller sizes) stays
+under ``--max_gib``, so this benchmark never takes a shared machine's
 memory; elsewhere its expected peak is reported, marked as not measured. Then, where all three
 methods were measured, each is timed ``--repeats`` more times, alternating, each run in a fresh
 process (the median is reported: the machine is shared). Last, an OPD run on the zoo pair
@@ -108,6 +108,22 @@ def _bytes_per_logit(done: dict[str, dict[str, Any]], method: str) -> float | No
     per = [r["loss_peak_bytes"] / (r["tokens"] * r["vocab"]) for r in done.values()
            if r["method"] == method and r["measured"]]
     return max(per) if per else None
+
+
+def _expected_bytes(done: dict[str, dict[str, Any]], method: str, shape: str,
+                    tokens: int) -> float | None:
+    """A method's expected loss peak at ``tokens``: the line through its two largest measured
+    sizes at this shape (a chunked loss's peak hardly grows with the tokens), else its largest
+    measured bytes per logit (at this shape if measured there) × N × V (the dense losses grow
+    with N × V)."""
+    points = sorted((r["tokens"], r["loss_peak_bytes"]) for r in done.values()
+                    if r["method"] == method and r["shape"] == shape and r["measured"])
+    if len(points) >= 2:
+        (n0, b0), (n1, b1) = points[-2:]
+        return b1 + max(0.0, (b1 - b0) / (n1 - n0)) * (tokens - n1)
+    same_shape = {k: r for k, r in done.items() if r["shape"] == shape}
+    per_logit = _bytes_per_logit(same_shape, method) or _bytes_per_logit(done, method)
+    return None if per_logit is None else per_logit * tokens * SHAPES[shape][1]
 
 
 def _child(method: str, shape: str, tokens: int, chunk: int) -> dict[str, Any]:
@@ -239,7 +255,8 @@ def _markdown(data: dict[str, Any]) -> str:
         f"{data['chunk']}` (`NextTokenLogits` + `OutputHead`, activation checkpointing); *trl* "
         "is `trl.trainer.distillation_trainer._chunked_divergence_loss(beta=1)` "
         f"(trl {data.get('trl_version')}). Dense rows marked *expected* were not run: their peak "
-        "is the method's largest measured bytes per logit at smaller sizes × N × V "
+        "is the line through the method's two largest measured sizes at that shape, or, with "
+        "one, its largest measured bytes per logit (at that shape if measured there) × N × V "
         f"({_per_logit_text(data)}), over this benchmark's {data['max_gib']} GiB limit. *fits "
         "24 GiB*: the loss peak plus its inputs (hidden states, both heads and the weight "
         "gradient). *seconds*: the median over fresh processes, alternating the methods.",
@@ -262,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--chunk", type=int, default=256, help="chunked: rows per projection")
+    p.add_argument("--chunk", type=int, default=128, help="chunked: rows per projection")
     p.add_argument("--max_gib", type=float, default=8.0,
                    help="run the dense loss only where its expected peak is below this")
     p.add_argument("--repeats", type=int, default=2,
@@ -297,14 +314,12 @@ def main(argv: list[str] | None = None) -> None:
                 if key in runs and runs[key]["measured"]:
                     continue
                 inputs = 4 * (2 * tokens * hidden + 3 * vocab * hidden)
-                per_logit = _bytes_per_logit(runs, method)
-                if per_logit is not None and per_logit * tokens * vocab > args.max_gib * GIB:
+                expected = _expected_bytes(runs, method, shape, tokens)
+                if expected is not None and expected > args.max_gib * GIB:
                     runs[key] = {"method": method, "shape": shape, "hidden": hidden,
                                  "vocab": vocab, "tokens": tokens, "measured": False,
-                                 "loss_peak_bytes": per_logit * tokens * vocab,
-                                 "inputs_bytes": inputs}
-                    print(f"{key}: not run, expected {per_logit * tokens * vocab / GIB:.1f} GiB",
-                          flush=True)
+                                 "loss_peak_bytes": expected, "inputs_bytes": inputs}
+                    print(f"{key}: not run, expected {expected / GIB:.1f} GiB", flush=True)
                     save()
                     continue
                 runs[key] = {**_child(method, shape, tokens, args.chunk), "inputs_bytes": inputs}

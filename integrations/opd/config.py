@@ -83,7 +83,7 @@ class OPDConfig(EffOPDOptions):
         None, "completion tokens per lm_head projection in the loss (from the final hidden "
         "states, recomputed in the backward: the full-vocabulary losses, the sampled tokens' "
         "log-probs and the -KL gate never hold tokens x vocab logits); 0: dense logits; "
-        "default: 256 when a micro-batch's largest completion (rows x max_new_tokens) x vocab "
+        "default: 128 when a micro-batch's largest completion (rows x max_new_tokens) x vocab "
         "reaches 2^26 logits, dense below")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1)
     # optimizer

@@ -22,10 +22,10 @@ __all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "loss_chunk_row
            "AUTO_CHUNK_ROWS", "AUTO_CHUNK_ELEMENTS"]
 
 # --loss_chunk_size's default: chunk when a micro-batch's completion tokens × vocabulary can
-# reach 2^26 logits (256 MiB per fp32 copy; the dense loss holds about a dozen), 256 rows at a
+# reach 2^26 logits (256 MiB per fp32 copy; the dense loss holds about a dozen), 128 rows at a
 # time (benchmarks/results/loss_memory.md).
 AUTO_CHUNK_ELEMENTS = 1 << 26
-AUTO_CHUNK_ROWS = 256
+AUTO_CHUNK_ROWS = 128
 
 
 def loss_chunk_rows(setting: int | None, num_tokens: int, vocab_size: int) -> int:

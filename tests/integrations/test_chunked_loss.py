@@ -225,7 +225,7 @@ def test_model_heads_with_their_own_transform(tokenizer):
 def test_auto_chunk_size():
     assert loss_chunk_rows(0, 10**6, 10**6) == 0 and loss_chunk_rows(7, 1, 1) == 7
     assert loss_chunk_rows(None, 64, 64) == 0  # small: dense
-    assert loss_chunk_rows(None, 4096, 151936) == 256
+    assert loss_chunk_rows(None, 4096, 151936) == 128
 
 
 # --------------------------------------------------------------------- the Teacher seam
