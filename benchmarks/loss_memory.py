@@ -248,18 +248,26 @@ def _markdown(data: dict[str, Any]) -> str:
         f"Machine: {info.get('cpu_model')}, {info.get('cpu_count')} cores (shared), torch "
         f"{info['torch']}, commit {info.get('git_commit')}, {info['date']}",
         "",
+        *_headline(data),
         "Reverse KL of a trainable student `lm_head` against a teacher `lm_head` on N completion "
         "tokens (random final hidden states; the student head's weight gradient included). "
         "*loss peak* = peak RSS during the loss minus the RSS before it; each row is its own "
         "process. *chunked* is `--loss_chunk_size "
-        f"{data['chunk']}` (`NextTokenLogits` + `OutputHead`, activation checkpointing); *trl* "
-        "is `trl.trainer.distillation_trainer._chunked_divergence_loss(beta=1)` "
-        f"(trl {data.get('trl_version')}). Dense rows marked *expected* were not run: their peak "
-        "is the line through the method's two largest measured sizes at that shape, or, with "
-        "one, its largest measured bytes per logit (at that shape if measured there) × N × V "
-        f"({_per_logit_text(data)}), over this benchmark's {data['max_gib']} GiB limit. *fits "
-        "24 GiB*: the loss peak plus its inputs (hidden states, both heads and the weight "
-        "gradient). *seconds*: the median over fresh processes, alternating the methods.",
+        f"{data['chunk']}` (`NextTokenLogits` + `OutputHead`: the completion rows projected "
+        f"{data['chunk']} at a time, each chunk's gradient taken in its forward, so the backward "
+        "recomputes nothing); *trl* is "
+        "`trl.trainer.distillation_trainer._chunked_divergence_loss(beta=1)` "
+        f"(trl {data.get('trl_version')}; on CPU it projects every position in tiles of 4096 "
+        "tokens × 32768 vocabulary, its compact path being Triton's). Rows marked *expected* "
+        "were not run: their peak is the line through the method's two largest measured sizes "
+        "at that shape, or, with one, its largest measured bytes per logit (at that shape if "
+        f"measured there) × N × V ({_per_logit_text(data)}), over this benchmark's "
+        f"{data['max_gib']} GiB limit. *fits 24 GiB*: the loss peak plus its inputs (hidden "
+        "states, both heads and the weight gradient). *seconds*: the median over fresh "
+        "processes, alternating the methods. RSS counts what the allocator keeps: glibc may serve "
+        "blocks under 32 MiB from its heap (its dynamic mmap threshold), so at vocab 49,152 (a "
+        "128-row chunk is 24 MiB) the "
+        "chunked peak includes retained heap.",
         "",
         markdown_table(head, rows),
         "",
@@ -267,6 +275,23 @@ def _markdown(data: dict[str, Any]) -> str:
         "the three methods agree (same inputs, same seed).",
         *(_zoo_markdown(data["zoo"]) if data.get("zoo") else []),
     ])
+
+
+def _headline(data: dict[str, Any]) -> list[str]:
+    """The issue's question at 4k tokens × 152k vocabulary, when those rows exist."""
+    by = data["runs"]
+    dense, chunked, trl = (by.get(f"qwen2.5/4096/{m}") for m in METHODS)
+    if not (dense and chunked and chunked["measured"]):
+        return []
+    line = (f"**At 4,096 tokens × 151,936 vocabulary:** chunked "
+            f"{chunked['loss_peak_bytes'] / GIB:.2f} GiB measured, dense "
+            f"{'~' if not dense['measured'] else ''}{dense['loss_peak_bytes'] / GIB:.1f} GiB "
+            f"{'expected (not measured)' if not dense['measured'] else 'measured'}: "
+            f"**{dense['loss_peak_bytes'] / chunked['loss_peak_bytes']:.0f}× less**")
+    if trl:
+        line += (f"; TRL {'~' if not trl['measured'] else ''}{trl['loss_peak_bytes'] / GIB:.2f} "
+                 f"GiB{'' if trl['measured'] else ' expected'}")
+    return [line + ".", ""]
 
 
 def _per_logit_text(data: dict[str, Any]) -> str:

@@ -264,9 +264,13 @@ class _SumsWithGradient(torch.autograd.Function):
         n, vocab = rows.shape[0], head.vocab_size
         other_rows = [x.states[mask] for x in others]
         grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[5] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[6] else None
-        grad_bias = (torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[7]
-                     else None)
+        # Accumulated over the chunks in fp32 (a bf16 head's gradient is rounded once, at the
+        # end, as one dense matmul's would be).
+        acc = compute_dtype(weight.dtype)
+        grad_weight = (torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[6]
+                       else None)
+        grad_bias = (torch.zeros_like(bias, dtype=acc)
+                     if bias is not None and ctx.needs_input_grad[7] else None)
         step = chunk_size or max(n, 1)
         totals = None
         for start in range(0, max(n, 1), step):
@@ -279,19 +283,21 @@ class _SumsWithGradient(torch.autograd.Function):
             if grad_rows is not None:
                 grad_rows[start:start + step] = (dz @ weight[:vocab]).to(rows.dtype)
             if grad_weight is not None:
-                grad_weight[:vocab].addmm_(dz.T, h.to(weight.dtype))
+                grad_weight[:vocab].addmm_(dz.T.to(acc), h.to(acc))
             if grad_bias is not None:
-                grad_bias[:vocab] += dz.sum(0)
+                grad_bias[:vocab] += dz.sum(0, dtype=acc)
             outs = tuple(o.detach() for o in outs)
             totals = outs if totals is None else tuple(a + b for a, b in zip(totals, outs,
                                                                                strict=True))
         ctx.grads = (grad_rows, grad_weight, grad_bias)
+        ctx.dtypes = (rows.dtype, weight.dtype, None if bias is None else bias.dtype)
         return totals
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_sum, *_):
-        grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)) for g in ctx.grads)
+        grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)).to(dtype)
+                      for g, dtype in zip(ctx.grads, ctx.dtypes, strict=True))
         ctx.grads = None
         return (None, None, None, None, None, *grads)
 
