@@ -77,7 +77,6 @@ def _loss(method: str, hs: torch.Tensor, ht: torch.Tensor, ws: torch.Tensor, wt:
 
 def run_one(method: str, shape: str, tokens: int, chunk: int) -> dict[str, Any]:
     """One loss forward + backward in this process: its peak memory, time and value."""
-    torch.set_num_threads(1)
     hidden, vocab = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
     # Scaled as trained heads are (logits of a few units), so the softmaxes are not one-hot.
@@ -95,7 +94,7 @@ def run_one(method: str, shape: str, tokens: int, chunk: int) -> dict[str, Any]:
     return {"method": method, "shape": shape, "hidden": hidden, "vocab": vocab, "tokens": tokens,
             "chunk": chunk if method == "chunked" else None, "seconds": seconds,
             "loss_peak_bytes": _rss_peak_bytes() - before, "rss_peak_bytes": _rss_peak_bytes(),
-            "loss": float(loss), "grad_hidden_norm": float(hs.grad.norm()),
+            "loss": float(loss.detach()), "grad_hidden_norm": float(hs.grad.norm()),
             "grad_weight_norm": float(ws.grad.norm()), "measured": True}
 
 
@@ -317,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.one:
         method, shape, tokens = args.one
+        torch.set_num_threads(1)
         print(json.dumps(run_one(method, shape, int(tokens), args.chunk)))
         return
 
