@@ -47,12 +47,14 @@ from .checkpoint import (
 )
 from .config import OPDConfig
 from .engines import Engine, Rollout
-from .losses import compute_loss, group_advantages, reverse_kl_loss
+from .logits import model_logits
+from .losses import compute_loss, group_advantages, reverse_kl_loss, teacher_needs
 from .metrics import MetricsLog
 from .ranks import Ranks
-from .scoring import greedy_accuracy, score_tokens
+from .scoring import greedy_accuracy, loss_chunk_rows, score_tokens
 from .sharding import require_process_group, shard
 from .tasks import Problem, Task
+from .teacher import ModelTeacher, Teacher, TeacherNeeds, TeacherScores
 from .vocab import check_vocab_compatible
 
 __all__ = ["OPDTrainer", "TrainResult"]
@@ -76,15 +78,17 @@ class OPDTrainer:
 
     ``engine`` generates the student's rollouts (``HFEngine`` over the live ``student`` module,
     or a ``VLLMEngine`` that receives the weights before every generation: rollouts, gate
-    candidates, evaluations). ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks``
-    are called with each step's metrics dict.
+    candidates, evaluations). ``teacher`` is an ``nn.Module`` (scored in process,
+    ``ModelTeacher``) or any ``Teacher``; ``self.teacher_scorer`` is the ``Teacher`` the
+    loss and the gate read. ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks`` are
+    called with each step's metrics dict.
     """
 
     def __init__(
         self,
         config: OPDConfig,
         student: nn.Module,
-        teacher: nn.Module,
+        teacher: nn.Module | Teacher,
         task: Task,
         engine: Engine,
         *,
@@ -96,7 +100,10 @@ class OPDTrainer:
             config, student, teacher, task, engine)
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.callbacks = list(callbacks or [])
-        self.vocab_size = check_vocab_compatible(student, teacher, tokenizer=self.tokenizer)
+        teacher_model = teacher.model if isinstance(teacher, ModelTeacher) else teacher
+        self.vocab_size = check_vocab_compatible(
+            student, teacher_model if isinstance(teacher_model, nn.Module) else teacher.vocab_size,
+            tokenizer=self.tokenizer)
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
         self.output_dir = Path(config.output_dir)
 
@@ -116,15 +123,25 @@ class OPDTrainer:
             # Sharded after the broadcast, so every rank's shards come from rank 0's weights.
             shard(student, train=True, mixed_precision=config.fsdp_mixed_precision,
                   device=config.device)
-            if config.fsdp_teacher == "shard":
-                shard(teacher, train=False, mixed_precision=config.fsdp_mixed_precision,
+            if config.fsdp_teacher == "shard" and isinstance(teacher_model, nn.Module):
+                shard(teacher_model, train=False, mixed_precision=config.fsdp_mixed_precision,
                       device=config.device)
 
-        teacher.requires_grad_(False).eval()
+        if isinstance(teacher_model, nn.Module):
+            teacher_model.requires_grad_(False).eval()
+        self.teacher_scorer: Teacher = (
+            teacher if isinstance(teacher, Teacher)
+            else ModelTeacher(teacher, self.vocab_size, chunk_size=self._chunk_rows))
+        self.teacher_scorer.check(teacher_needs(config.loss), f"--loss {config.loss}")
+        if config.extrapolate and config.gate == "neg_kl":
+            self.teacher_scorer.check(TeacherNeeds.FULL, "--gate neg_kl")
         student.train()
         self.gate_evals = 0
         self.gate_seconds = 0.0
         self._gate_sequences: dict[str, torch.Tensor] | None = None
+        # The teacher's scores of the fixed gate rollouts: the teacher does not change, so they
+        # are computed once per gate rollouts (sampled once per run, or loaded on resume).
+        self._gate_teacher: TeacherScores | None = None
         self.optimizer = self._build_optimizer()
         self.ema = None
         if config.ema_decay is not None:
@@ -182,6 +199,12 @@ class OPDTrainer:
             self.gate_evals += 1
             self.gate_seconds += time.perf_counter() - start
 
+    def _chunk_rows(self, num_tokens: int) -> int:
+        """Rows per lm_head projection in the loss of a micro-batch (``loss_chunk_rows``);
+        always dense under FSDP (see ``OPDConfig.loss_chunk_size``)."""
+        setting = 0 if self.config.fsdp else self.config.loss_chunk_size
+        return loss_chunk_rows(setting, num_tokens, self.vocab_size)
+
     def synced_engine(self) -> Engine:
         """The engine, given the student's weights as they are now. Every generation goes
         through here, the one place weights reach the engine, so rollouts, gate candidates and
@@ -198,23 +221,32 @@ class OPDTrainer:
 
     def gate_reverse_kl(self) -> float:
         """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
-        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap)."""
+        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap). The
+        teacher's scores of them are computed at the first call too; each later call runs
+        only the student."""
         if self._gate_sequences is None:
             r = self.synced_engine().generate(
                 [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
                 temperature=self.config.temperature, seed=self.config.seed)
             self._gate_sequences = {"sequences": r.sequences, "attention_mask": r.attention_mask,
                                     "completion_mask": r.completion_mask}
+            self._gate_teacher = None
         g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
+        chunk = self._chunk_rows(int(g["completion_mask"][:, 1:].sum()))
+        if self._gate_teacher is None:
+            self._gate_teacher = self.teacher_scorer.score(
+                g["sequences"], g["attention_mask"], g["completion_mask"], TeacherNeeds.FULL)
         was_training = self.student.training
         self.student.eval()
         try:
             with torch.no_grad():
-                scores = score_tokens(self.student, self.teacher, g["sequences"],
-                                      g["attention_mask"], g["completion_mask"], self.vocab_size)
+                student = model_logits(self.student, g["sequences"], g["attention_mask"],
+                                       self.vocab_size, chunk_size=chunk)
+                out = reverse_kl_loss(student, self._gate_teacher.full(),
+                                      g["completion_mask"][:, 1:])
         finally:
             self.student.train(was_training)
-        return reverse_kl_loss(*scores.logits(), scores.mask).metrics["reverse_kl"]
+        return out.metrics["reverse_kl"]
 
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
@@ -348,9 +380,12 @@ class OPDTrainer:
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
-        scores = score_tokens(self.student, self.teacher, rollout.sequences[rows],
-                              rollout.attention_mask[rows], rollout.completion_mask[rows],
-                              self.vocab_size, advantages=advantages)
+        completion = rollout.completion_mask[rows]
+        scores = score_tokens(self.student, self.teacher_scorer, rollout.sequences[rows],
+                              rollout.attention_mask[rows], completion, self.vocab_size,
+                              needs=teacher_needs(self.config.loss),
+                              chunk_size=self._chunk_rows(int(completion[:, 1:].sum())),
+                              advantages=advantages)
         return compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
 
     # ------------------------------------------------------------------ the loop
@@ -475,6 +510,7 @@ class OPDTrainer:
             if self.ema is not None and state.get("ema") is not None:
                 self.ema.load_state_dict(state["ema"])
             rng = state["rng"]
+        self._gate_teacher = None  # scores of the gate rollouts just loaded (or to be sampled)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.train_seconds = state["train_seconds"]
