@@ -246,9 +246,9 @@ class OPDConfig(EffOPDOptions):
             raise ValueError(f"teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
         if not self.served_teacher():
             return
-        from .losses import LOSS_INPUTS, TokenScores
+        from .losses import teacher_needs
 
-        if LOSS_INPUTS[self.loss].select is TokenScores.logits:
+        if teacher_needs(self.loss).level == "full":
             raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which a "
                              f"served teacher does not send; use --loss reverse_kl_pg (the "
                              f"sampled tokens' log-probs) or an in-process --teacher")

@@ -55,12 +55,14 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
         tokenizer.pad_token = tokenizer.eos_token
     # With --fsdp a model to be sharded stays on the CPU: OPDTrainer shards it onto the device
     # one block at a time, so no GPU ever holds the full model.
+    teacher = _served_teacher(config, tokenizer, task)  # its checks before any model loads
     student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype)
-    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+    if teacher is None:
+        teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+        if not (config.fsdp and config.fsdp_teacher == "shard"):
+            teacher = teacher.to(config.device)
     if not config.fsdp:
         student = student.to(config.device)
-    if not (config.fsdp and config.fsdp_teacher == "shard"):
-        teacher = teacher.to(config.device)
     if config.engine == "vllm":
         engine = make_engine("vllm", config.student, tokenizer,
                              dtype=config.vllm_dtype or config.dtype, seed=config.seed,
@@ -68,6 +70,20 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
     else:
         engine = make_engine("hf", student, tokenizer)
     return OPDTrainer(config, student, teacher, task, engine, tokenizer=tokenizer)
+
+
+def _served_teacher(config: OPDConfig, tokenizer, task):
+    """With ``--teacher_url``: the ``ServedTeacher``, its servers probed (``served.connect``)
+    on this run's prompts; otherwise None."""
+    if not config.teacher_url:
+        return None
+    from .losses import teacher_needs
+    from .served import connect
+
+    problems = task.problems("train", seed=config.seed)
+    return connect(config.teacher_url, config, tokenizer, [p.prompt for p in problems],
+                   config.max_new_tokens or task.max_new_tokens,
+                   top_k=teacher_needs(config.loss).k)
 
 
 def _init_distributed(config: OPDConfig) -> None:
@@ -105,7 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"lookahead-opd train: {err}", file=sys.stderr)
         return 2
-    result = trainer.train()  # a failure while training keeps its traceback
+    from .served import TeacherServerError
+
+    try:
+        result = trainer.train()  # any other failure while training keeps its traceback
+    except TeacherServerError as err:  # already one line naming the server and the step
+        print(f"lookahead-opd train: {err}", file=sys.stderr)
+        return 1
     final = result.evals[-1][1] if result.evals else float("nan")
     if trainer.rank == 0:
         print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "

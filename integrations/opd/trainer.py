@@ -381,6 +381,8 @@ class OPDTrainer:
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
         completion = rollout.completion_mask[rows]
+        if hasattr(self.teacher_scorer, "step"):  # a served teacher names it in a failure
+            self.teacher_scorer.step = self.step + 1  # the step as logged
         scores = score_tokens(self.student, self.teacher_scorer, rollout.sequences[rows],
                               rollout.attention_mask[rows], completion, self.vocab_size,
                               needs=teacher_needs(self.config.loss),
