@@ -244,18 +244,20 @@ class OPDConfig(EffOPDOptions):
                 check_url(url)
         if self.teacher_timeout <= 0:
             raise ValueError(f"teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
-        if not self.served_teacher():
+        if not (self.served_teacher() or self.teachers):
             return
         from .losses import teacher_needs
 
+        # A server sends log-probs, not logits; several teachers' logits are not combined
+        # (integrations/opd/routing.py).
+        which = "a served teacher" if self.served_teacher() else "--teachers"
         if teacher_needs(self.loss).level == "full":
-            raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which a "
-                             f"served teacher does not send; use --loss reverse_kl_pg (the "
-                             f"sampled tokens' log-probs) or an in-process --teacher")
+            raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which "
+                             f"{which} does not give; use --loss reverse_kl_pg (the sampled "
+                             f"tokens' log-probs) or one in-process --teacher")
         if self.extrapolate and self.gate == "neg_kl":
-            raise ValueError("gate=neg_kl needs the teacher's full distribution, which a served "
-                             "teacher does not send; use --gate accuracy (or an in-process "
-                             "--teacher)")
+            raise ValueError(f"gate=neg_kl needs the teacher's full distribution, which {which} "
+                             f"does not give; use --gate accuracy (or one in-process --teacher)")
         if self.fsdp and self.fsdp_teacher == "shard":
             raise ValueError("fsdp_teacher=shard shards an in-process teacher; a served teacher "
                              "has none to shard")

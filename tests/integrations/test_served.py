@@ -226,3 +226,55 @@ def test_the_cli_parses_several_urls():
     c = parse_config(["--student", "s", "--teacher_url", "http://a:1", "http://b:2",
                       "--teacher_max_inflight", "4"])
     assert c.teacher_url == ["http://a:1", "http://b:2"] and c.teacher_max_inflight == 4
+
+
+# ------------------------------------------------------------------ ServedTeacher on the layout
+def test_served_teacher_places_each_rows_scores_on_the_aligned_positions(stub):
+    from lookahead_opd.integrations.opd.served import ServedTeacher
+    from lookahead_opd.integrations.opd.teacher import TeacherNeeds
+
+    # Rollout layout: [pad … pad, prompt | completion, pad …], prompt length 3.
+    seq = torch.tensor([[0, 1, 5, 9, 12, 4, 0], [1, 7, 3, 8, 2, 0, 0], [0, 0, 1, 6, 0, 0, 0]])
+    attn = torch.tensor([[0, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0, 0]])
+    comp = torch.tensor([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
+    teacher = ServedTeacher(_client(stub.url), vocab_size=32)
+    out = teacher.score(seq, attn, comp, TeacherNeeds.SAMPLED)
+    assert out.token_logprobs.shape == (3, 6) and stub.requests == 2  # the empty row: no request
+    for b in range(2):
+        kept = seq[b][attn[b].bool()].tolist()
+        start = int(attn[b].nonzero()[0])
+        for t in range(1, len(kept)):  # token kept[t] sits at start + t; aligned at start + t - 1
+            assert out.token_logprobs[b, start + t - 1].item() == pytest.approx(
+                expected_logprob(kept, t))
+    assert (out.token_logprobs[2] == 0).all()
+    top = teacher.score(seq, attn, comp, TeacherNeeds.topk(2))
+    assert top.topk_ids.shape == (3, 6, 2) and (top.topk_ids[0, 3:5] == 1000).any()
+    with pytest.raises(ValueError, match="full distribution"):
+        teacher.check(TeacherNeeds.FULL)
+
+
+def test_cli_prints_one_line_when_the_server_fails_mid_run(stub, tmp_path, capsys):
+    """lookahead-opd train with --teacher_url: the probe passes, step 1's requests fail."""
+    from conftest import tiny_qwen2
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+    from lookahead_opd.integrations.opd.train import main
+
+    tok = char_tokenizer()
+    stub.decode = lambda i: tok.decode([i])
+    tiny_qwen2(len(tok), 0, tokenizer=tok).save_pretrained(tmp_path / "s")
+    tok.save_pretrained(tmp_path / "s")
+    stub.actions.extend(["ok"] + [500] * 20)  # the probe's request, then every score fails
+    capsys.readouterr()  # the saving's progress bars
+    code = main(["--student", str(tmp_path / "s"), "--teacher_url", stub.url, "--batch_size",
+                 "2", "--max_new_tokens", "3", "--eval_size", "2", "--max_steps", "2",
+                 "--teacher_retries", "1", "--no_progress", "--output_dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert stub.url in err[0] and "at step 1" in err[0] and "HTTP 500" in err[0]
+
+
+def test_diagnose_refuses_a_served_teacher_in_one_line():
+    from lookahead_opd.integrations.teacher_selection.teachers import parse_teacher_spec
+
+    with pytest.raises(ValueError, match="full distribution; pass the teacher's model"):
+        parse_teacher_spec("http://127.0.0.1:8000")
