@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["OutputHead", "NextTokenLogits", "model_logits", "map_row_chunks", "token_logprobs",
-           "compute_dtype"]
+__all__ = ["OutputHead", "NextTokenLogits", "model_logits", "map_row_chunks", "sum_row_chunks",
+           "token_logprobs", "compute_dtype"]
 
 # Rows of a no-grad logprob computation are processed in chunks of about this many logits, so a
 # bf16 teacher never needs a full fp32 copy of its [B, T, V] logits.
@@ -65,9 +65,16 @@ class OutputHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits ``[..., vocab_size]`` of ``hidden`` ``[..., H]`` (in the weight's dtype)."""
+        return self.transform(self.linear(hidden))
+
+    def linear(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``h·Wᵀ + b`` on the shared vocabulary (before the final-logit transform)."""
         n = self.vocab_size
         bias = None if self.bias is None else self.bias[:n]
-        logits = nn.functional.linear(hidden.to(self.weight.dtype), self.weight[:n], bias)
+        return nn.functional.linear(hidden.to(self.weight.dtype), self.weight[:n], bias)
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """The model's final-logit transform (scale, soft-capping) of ``linear``'s output."""
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap is not None:
@@ -199,6 +206,72 @@ def map_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], logits: Sequence
         out.append(checkpoint(piece, *chunks, use_reentrant=False) if checkpointed
                    else piece(*chunks))
     return out
+
+
+def sum_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], logits: Sequence[NextTokenLogits],
+                   mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*logits_of_each_source)`` (a tuple of sums over the chunk's rows; the first carries
+    the gradient, the others are metrics) summed over the chunks of the ``mask``ed rows, as
+    ``map_row_chunks`` takes them. Where the first source has a head and grad is enabled, the
+    first sum's gradient with respect to the rows and the head's weight and bias is computed
+    chunk by chunk in the forward (``_SumsWithGradient``): each chunk's (chunk × vocab) tensors
+    are freed before the next one, and the backward only scales the stored gradients, so no
+    projection is recomputed."""
+    student = logits[0]
+    head = student.head
+    if head is None or not torch.is_grad_enabled():
+        chunks = map_row_chunks(fn, logits, mask)
+        totals = chunks[0]
+        for more in chunks[1:]:
+            totals = tuple(a + b for a, b in zip(totals, more, strict=True))
+        return totals
+    rows = student.states[mask]
+    others = [x.detach() for x in logits[1:]]
+    params = [head.weight] + ([] if head.bias is None else [head.bias])
+    return _SumsWithGradient.apply(fn, head, others, mask, student.chunk_size, rows, *params)
+
+
+class _SumsWithGradient(torch.autograd.Function):
+    """``sum_row_chunks`` with the gradient taken in the forward: per chunk, the logits
+    ``z = h·Wᵀ + b`` are a leaf, ``∂sum/∂z`` comes from autograd through the head's transform
+    and ``fn``, and ``∂/∂h = ∂z·W``, ``∂/∂W += ∂zᵀ·h``, ``∂/∂b += Σ ∂z`` accumulate in
+    buffers the size of the rows and of the head."""
+
+    @staticmethod
+    def forward(ctx, fn, head, others, mask, chunk_size, rows, weight, bias=None):
+        n, vocab = rows.shape[0], head.vocab_size
+        other_rows = [x.states[mask] for x in others]
+        grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[5] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[6] else None
+        grad_bias = (torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[7]
+                     else None)
+        step = chunk_size or max(n, 1)
+        totals = None
+        for start in range(0, max(n, 1), step):
+            h = rows[start:start + step]
+            with torch.enable_grad():
+                z = head.linear(h).detach().requires_grad_(True)
+                outs = fn(head.transform(z), *[x.project(r[start:start + step])
+                                               for x, r in zip(others, other_rows, strict=True)])
+                (dz,) = torch.autograd.grad(outs[0], z)
+            if grad_rows is not None:
+                grad_rows[start:start + step] = (dz @ weight[:vocab]).to(rows.dtype)
+            if grad_weight is not None:
+                grad_weight[:vocab].addmm_(dz.T, h.to(weight.dtype))
+            if grad_bias is not None:
+                grad_bias[:vocab] += dz.sum(0)
+            outs = tuple(o.detach() for o in outs)
+            totals = outs if totals is None else tuple(a + b for a, b in zip(totals, outs,
+                                                                               strict=True))
+        ctx.grads = (grad_rows, grad_weight, grad_bias)
+        return totals
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_sum, *_):
+        grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)) for g in ctx.grads)
+        ctx.grads = None
+        return (None, None, None, None, None, *grads)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .logits import NextTokenLogits, compute_dtype, map_row_chunks, token_logprobs
+from .logits import NextTokenLogits, compute_dtype, sum_row_chunks, token_logprobs
 from .teacher import TeacherNeeds, TeacherScores
 
 __all__ = [
@@ -164,7 +164,7 @@ def _row_sums(
     temperature: float,
 ) -> tuple[torch.Tensor, ...]:
     """``kernel(student_logprobs, teacher_logprobs)`` (each a tuple of sums over rows) summed
-    over the masked rows, taken ``student.chunk_size`` rows at a time (``map_row_chunks``).
+    over the masked rows, taken ``student.chunk_size`` rows at a time (``sum_row_chunks``).
 
     Selecting rows first skips prompt/padding compute and makes masked positions unable to leak
     NaN/inf into the loss or the gradient. The teacher's log-probs carry no gradient.
@@ -172,11 +172,7 @@ def _row_sums(
     def rows(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return kernel(_log_probs(s, temperature), _log_probs(t, temperature))
 
-    chunks = map_row_chunks(rows, [student, teacher], mask)
-    totals = chunks[0]
-    for more in chunks[1:]:
-        totals = tuple(a + b for a, b in zip(totals, more, strict=True))
-    return totals
+    return sum_row_chunks(rows, [student, teacher], mask)
 
 
 def _floor_log(lp: torch.Tensor) -> torch.Tensor:
