@@ -143,3 +143,22 @@ def test_server_killed_mid_run_then_resume(models, tmp_path):
         server.start()  # the same port: the same --teacher_url
         assert main([*argv, "--resume"]) == 0
     assert [s for s, *_ in _losses(tmp_path / "run")] == [1, 2, 3, 4, 5]
+
+
+def test_several_teachers_served_and_in_process_match_one_teacher(server, models, tmp_path):
+    """`+` problems scored by the server, `*` problems by the same model in process: the run
+    equals one with that model as the only teacher, and logs each teacher."""
+    student, teacher, _ = models
+    common = ["--student", str(student), *RUN, "--max_steps", "2", "--task",
+              "arithmetic:ops=+*"]
+    assert main([*common, "--teacher", str(teacher), "--output_dir", str(tmp_path / "one")]) == 0
+    assert main([*common, "--teachers", f"+={server.url}", f"*={teacher}", "--teacher_key", "op",
+                 "--output_dir", str(tmp_path / "two")]) == 0
+    for (_, la, ka), (_, lb, kb) in zip(_losses(tmp_path / "one"), _losses(tmp_path / "two"),
+                                        strict=True):
+        assert abs(la - lb) < 1e-4 and abs(ka - kb) < 1e-4
+    lines = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in lines if "loss" in m]
+    assert all("reverse_kl/+" in m or "reverse_kl/*" in m for m in steps)
+    assert sum(m["seconds_teacher/+"] for m in steps) > 0
+    assert "eval_accuracy/+" in lines[-1] and "eval_accuracy/*" in lines[-1]
