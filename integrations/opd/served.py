@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +88,13 @@ class ServerInfo:
 
 
 class _Failure(Exception):
-    """One attempt failed; ``retry`` says whether another may succeed."""
+    """One attempt failed; ``retry`` says whether another may succeed. An HTTP error answer
+    keeps its ``body`` (vLLM's message) and ``retry_after`` header."""
 
-    def __init__(self, what: str, *, retry: bool) -> None:
+    def __init__(self, what: str, *, retry: bool, body: str = "",
+                 retry_after: str | None = None) -> None:
         super().__init__(what)
-        self.retry = retry
+        self.retry, self.body, self.retry_after = retry, body, retry_after
 
 
 class TeacherClient:
@@ -121,7 +123,6 @@ class TeacherClient:
         self._turn = 0  # breaks ties between equally loaded servers in turn
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self.wait_seconds = 0.0  # wall time spent inside score(), summed
 
     # ------------------------------------------------------------------ transport
     def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None = None
@@ -145,10 +146,8 @@ class TeacherClient:
             conn.close()
         if resp.status != 200:
             text = raw[:200].decode(errors="replace").replace("\n", " ")
-            failure = _Failure(f"HTTP {resp.status}: {text}", retry=_retryable_status(resp.status))
-            failure.status, failure.body = resp.status, text  # type: ignore[attr-defined]
-            failure.retry_after = resp.getheader("Retry-After")  # type: ignore[attr-defined]
-            raise failure
+            raise _Failure(f"HTTP {resp.status}: {text}", retry=_retryable_status(resp.status),
+                           body=text, retry_after=resp.getheader("Retry-After"))
         if path == "/health":
             return None
         try:
@@ -157,26 +156,35 @@ class TeacherClient:
             raise _Failure(f"the answer is not JSON ({raw[:60]!r})", retry=False) from None
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-              url: str | None = None, step: int | None = None) -> Any:
-        """``_request`` with retries, on ``url`` or on the least busy server; one
-        ``TeacherServerError`` line once they are spent."""
+              url: str | None = None, step: int | None = None,
+              parse: Callable[[Any], Any] | None = None) -> Any:
+        """``_request`` with retries, on ``url`` or on the least busy server, its answer read by
+        ``parse``; one ``TeacherServerError`` line naming the server once retries are spent,
+        or when the answer does not parse."""
         attempt = 0
+        where = "before step 0" if step is None else f"at step {step}"
         while True:
             index = self._acquire() if url is None else None
             target = url or self.urls[index]  # type: ignore[index]
             try:
-                return self._request(target, method, path, body)
+                answer = self._request(target, method, path, body)
             except _Failure as failure:
                 if not failure.retry or attempt >= self.retries:
                     tries = f" after {attempt + 1} attempts" if attempt else ""
-                    where = "before step 0" if step is None else f"at step {step}"
                     raise TeacherServerError(f"teacher server {target} failed {where}{tries}: "
                                              f"{failure}") from None
                 delay = min(self.backoff * 2 ** attempt, _MAX_BACKOFF_S)
-                after = getattr(failure, "retry_after", None)
-                if after and after.isdigit():
-                    delay = min(float(after), _MAX_BACKOFF_S)
+                if failure.retry_after and failure.retry_after.isdigit():
+                    delay = min(float(failure.retry_after), _MAX_BACKOFF_S)
                 attempt += 1
+            else:
+                if parse is None:
+                    return answer
+                try:
+                    return parse(answer)
+                except (KeyError, IndexError, TypeError, ValueError) as err:
+                    raise TeacherServerError(f"teacher server {target} answered {where} with "
+                                             f"what does not fit the request: {err}") from None
             finally:
                 if index is not None:
                     self._release(index)
@@ -201,43 +209,31 @@ class TeacherClient:
         ``max_inflight`` at a time; the first failure cancels the rest and is raised."""
         if self.model is None:
             raise RuntimeError("TeacherClient.score before the model is known: call probe_server")
-        start = time.perf_counter()
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="teacher")
         futures = [self._pool.submit(self._score_one, list(map(int, ids)), top_k, step)
                    for ids in sequences]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        try:
-            for f in pending:
-                f.cancel()
-            for f in futures:
-                if f in done and f.exception() is not None:
-                    raise f.exception()  # type: ignore[misc]
-            return [f.result() for f in futures]
-        finally:
-            self.wait_seconds += time.perf_counter() - start
+        for f in pending:
+            f.cancel()
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
 
     def _score_one(self, ids: list[int], top_k: int, step: int | None) -> SequenceScores:
         body = {"model": self.model, "prompt": ids, "max_tokens": 1, "prompt_logprobs": top_k,
                 "temperature": 1.0}
-        answer = self._call("POST", "/v1/completions", body, step=step)
-        try:
-            return _parse_prompt_logprobs(answer, ids, top_k)
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            where = "before step 0" if step is None else f"at step {step}"
-            raise TeacherServerError(
-                f"teacher server {'/'.join(self.urls) if len(self.urls) > 1 else self.urls[0]} "
-                f"answered {where} with log-probs that do not fit the {len(ids)} tokens sent: "
-                f"{err}") from None
+        return self._call("POST", "/v1/completions", body, step=step,
+                          parse=lambda answer: _parse_prompt_logprobs(answer, ids, top_k))
 
     def info(self, url: str) -> ServerInfo:
         """``/v1/models`` of one server."""
-        answer = self._call("GET", "/v1/models", url=url)
-        try:
+        def read(answer: Any) -> ServerInfo:
             card = answer["data"][0]
             return ServerInfo(url, str(card["id"]), card.get("max_model_len"))
-        except (KeyError, IndexError, TypeError):
-            raise TeacherServerError(f"teacher server {url}: /v1/models lists no model") from None
+
+        return self._call("GET", "/v1/models", url=url, parse=read)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -251,7 +247,7 @@ def _parse_prompt_logprobs(answer: Any, ids: list[int], top_k: int) -> SequenceS
     positions = answer["choices"][0]["prompt_logprobs"]
     if not isinstance(positions, list) or len(positions) != len(ids):
         got = len(positions) if isinstance(positions, list) else type(positions).__name__
-        raise ValueError(f"{got} positions returned")
+        raise ValueError(f"log-probs of {got} positions for the {len(ids)} tokens sent")
     lps = torch.empty(len(ids) - 1, dtype=torch.float32)
     top_ids = torch.zeros(len(ids) - 1, top_k, dtype=torch.long) if top_k else None
     top_lps = torch.full((len(ids) - 1, top_k), float("-inf")) if top_k else None
@@ -307,7 +303,7 @@ def probe_server(client: TeacherClient, tokenizer: Any, probe: Sequence[int], *,
         try:
             answer = client._request(url, "POST", "/v1/completions", body)
         except _Failure as failure:
-            text = getattr(failure, "body", "")
+            text = failure.body
             if "logprobs" in text and "max allowed" in text:
                 raise ValueError(f"teacher server {url} refuses {top_k} log-probs per token "
                                  f"({text.strip()}); restart it with --max-logprobs {top_k} or "

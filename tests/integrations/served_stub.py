@@ -80,34 +80,30 @@ class StubServer:
                     stub.max_concurrent = max(stub.max_concurrent, stub.concurrent)
                     action = stub.actions.popleft() if stub.actions else "ok"
                 try:
-                    self._answer(body, action)
-                finally:
+                    status, payload = self._answer(body, action)
+                finally:  # before the answer goes out: the client may send its next at once
                     with stub._lock:
                         stub.concurrent -= 1
+                self._send(status, payload)
 
             def _answer(self, body, action):
                 ids, k = body["prompt"], body["prompt_logprobs"]
                 if action == "slow":
                     time.sleep(stub.slow_s)
                 elif isinstance(action, int):
-                    self._send(action, {"error": {"message": f"stub status {action}"}})
-                    return
+                    return action, {"error": {"message": f"stub status {action}"}}
                 elif action == "garbage":
-                    self._send(200, b"<html>not json")
-                    return
+                    return 200, b"<html>not json"
                 if k > stub.max_logprobs:
-                    self._send(400, {"error": {"message": f"Requested prompt logprobs of {k}, "
-                                               f"which is greater than max allowed: "
-                                               f"{stub.max_logprobs}"}})
-                    return
+                    return 400, {"error": {"message": f"Requested prompt logprobs of {k}, which "
+                                           f"is greater than max allowed: {stub.max_logprobs}"}}
                 positions = _positions(ids, k)
                 for entry in positions[1:]:
                     for v in entry.values():
                         v["decoded_token"] = stub.decode(int(v["decoded_token"]))
                 if action == "short":
                     positions = positions[:-1]
-                self._send(200, {"choices": [{"index": 0, "text": "x",
-                                              "prompt_logprobs": positions}]})
+                return 200, {"choices": [{"index": 0, "text": "x", "prompt_logprobs": positions}]}
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
