@@ -342,14 +342,9 @@ def render_parity(res: dict[str, Any]) -> str:
     spread = {k: (f"{min(v):.1%}-{max(v):.1%}" if v else "-") for k, v in finals.items()}
     return f"""# Served vs in-process teacher: the accuracy an OPD run reaches
 
-{m['cpu_count']} CPU cores ({m['cpu_model']}), torch {m['torch']}; a same-base pair of the zoo's
-`small` shapes: one model pretrained on arithmetic, the student its checkpoint at
-{pair['student']['pretrain_steps']} steps ({pair['student']['greedy_test_accuracy']:.1%} greedy
-test accuracy), the teacher at {pair['teacher']['pretrain_steps']} steps
-({pair['teacher']['greedy_test_accuracy']:.1%}). Each seed: `lookahead-opd train` with
-`--teacher DIR` and with `--teacher_url` (the same model behind `vllm serve
-{' '.join(res['server_args'])}`), flags `{' '.join(res['flags'])}`. {m['date']}, commit
-{m['git_commit']}.
+{m['cpu_count']} CPU cores ({m['cpu_model']}), torch {m['torch']}. A same-base pair of the zoo's `small` shapes (0.99M parameters): one model pretrained on arithmetic, the student its checkpoint at {pair['student']['pretrain_steps']} steps ({pair['student']['greedy_test_accuracy']:.1%} greedy test accuracy), the teacher at {pair['teacher']['pretrain_steps']} steps ({pair['teacher']['greedy_test_accuracy']:.1%}).
+
+Each seed: `lookahead-opd train` with `--teacher DIR` and with `--teacher_url` (the same model behind `vllm serve {' '.join(res['server_args'])}`), flags `{' '.join(res['flags'])}`. {m['date']}, commit {m['git_commit']}.
 
 | seed | accuracy at step 0 | final, in-process | final, served | first step whose losses differ by > 1e-4 | evals (in-process→served) | seconds (in-process / served) |
 |---|---|---|---|---|---|---|
