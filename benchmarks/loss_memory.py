@@ -7,12 +7,16 @@ The loss is the reverse KL (TRL's ``beta=1``) of a student ``lm_head`` (trainabl
 included) against a teacher ``lm_head`` on ``N`` completion tokens of random final hidden states,
 at SmolLM2's shape (hidden 576, vocab 49,152) and Qwen2.5-0.5B's (hidden 896, vocab 151,936).
 Each configuration runs in its own process, since a process's peak RSS only grows: "loss peak"
-is the peak RSS during the loss minus the RSS before it (inputs and weights allocated). The
-dense loss is only run where its expected peak (its measured bytes per logit at a smaller size
-× N × V) stays under ``--max_gib``, so this benchmark never takes a shared machine's memory;
-elsewhere its expected peak is reported, marked as not measured.
+is the peak RSS during the loss minus the RSS before it (inputs and weights allocated). A
+method is only run where its expected peak (``_expected_bytes``, from its smaller sizes) stays
+under ``--max_gib``, so this benchmark never takes a shared machine's
+memory; elsewhere its expected peak is reported, marked as not measured. Then, where all three
+methods were measured, each is timed ``--repeats`` more times, alternating, each run in a fresh
+process (the median is reported: the machine is shared). Last, an OPD run on the zoo pair
+(``build_pair()``: arithmetic, tiny, same-base; fp32, same seed) with and without chunking:
+its per-step metrics and gate decisions side by side.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.loss_memory          # ~30 min on one CPU thread
+    OMP_NUM_THREADS=1 python -m benchmarks.loss_memory          # ~45 min on one CPU thread
 
 Results go to benchmarks/results/loss_memory.{json,md}, rewritten after every run; a rerun
 continues where the last one stopped (``--fresh`` starts over).
@@ -99,11 +103,116 @@ def _key(r: dict[str, Any]) -> str:
     return f"{r['shape']}/{r['tokens']}/{r['method']}"
 
 
-def _bytes_per_logit(done: dict[str, dict[str, Any]]) -> float | None:
-    """The dense loss's measured peak per logit (the largest over measured sizes)."""
+def _bytes_per_logit(done: dict[str, dict[str, Any]], method: str) -> float | None:
+    """A method's measured peak per logit (the largest over measured sizes)."""
     per = [r["loss_peak_bytes"] / (r["tokens"] * r["vocab"]) for r in done.values()
-           if r["method"] == "dense" and r["measured"]]
+           if r["method"] == method and r["measured"]]
     return max(per) if per else None
+
+
+def _expected_bytes(done: dict[str, dict[str, Any]], method: str, shape: str,
+                    tokens: int) -> float | None:
+    """A method's expected loss peak at ``tokens``: the line through its two largest measured
+    sizes at this shape (a chunked loss's peak hardly grows with the tokens), else its largest
+    measured bytes per logit (at this shape if measured there) × N × V (the dense losses grow
+    with N × V)."""
+    points = sorted((r["tokens"], r["loss_peak_bytes"]) for r in done.values()
+                    if r["method"] == method and r["shape"] == shape and r["measured"])
+    if len(points) >= 2:
+        (n0, b0), (n1, b1) = points[-2:]
+        return b1 + max(0.0, (b1 - b0) / (n1 - n0)) * (tokens - n1)
+    same_shape = {k: r for k, r in done.items() if r["shape"] == shape}
+    per_logit = _bytes_per_logit(same_shape, method) or _bytes_per_logit(done, method)
+    return None if per_logit is None else per_logit * tokens * SHAPES[shape][1]
+
+
+def _child(method: str, shape: str, tokens: int, chunk: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.loss_memory", "--chunk", str(chunk),
+           "--one", method, shape, str(tokens)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(RESULTS)))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _seconds(r: dict[str, Any]) -> float:
+    """The median of the run's timings (the memory run and the timing repeats)."""
+    return _median([r["seconds"], *r.get("repeat_seconds", [])])
+
+
+def zoo_comparison(steps: int, chunk: int) -> dict[str, Any]:
+    """An OPD run on the zoo pair with and without chunking (fp32, same seed): the per-step
+    metrics, the evaluations and the gate's decisions of both."""
+    from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.tasks import load_task
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+    from lookahead_opd.integrations.opd.zoo import build_pair
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pair = build_pair(progress=False)
+    runs = {}
+    for size in (0, chunk):
+        tok = AutoTokenizer.from_pretrained(pair.student_path)
+        student = AutoModelForCausalLM.from_pretrained(pair.student_path).float()
+        teacher = AutoModelForCausalLM.from_pretrained(pair.teacher_path).float()
+        config = OPDConfig(output_dir=os.path.join(RESULTS, ".zoo-run"),
+                           overwrite_output_dir=True, max_steps=steps, batch_size=64,
+                           learning_rate=1e-3, loss="reverse_kl", extrapolate=True,
+                           gate="neg_kl", gate_size=50, eval_every=steps // 2, eval_size=200,
+                           progress=False, seed=0, loss_chunk_size=size)
+        engine = HFEngine(student, tok, batch_size=256)
+        t0 = time.perf_counter()
+        result = OPDTrainer(config, student, teacher, load_task("arithmetic"), engine,
+                            tokenizer=tok).train()
+        runs[size] = {"seconds": time.perf_counter() - t0, "evals": result.evals,
+                      "metrics": [{k: m.get(k) for k in ("step", "loss", "reverse_kl",
+                                                         "grad_norm", "reward", "num_tokens")}
+                                  for m in result.metrics if "loss" in m],
+                      "jumps": [{k: j[k] for k in ("step", "coefficients", "scores", "accepted")}
+                                for j in result.jumps]}
+    import shutil
+
+    shutil.rmtree(os.path.join(RESULTS, ".zoo-run"), ignore_errors=True)
+    dense, chunked = runs[0], runs[chunk]
+    rel = max(abs(c[k] - d[k]) / max(abs(d[k]), 1e-12)
+              for d, c in zip(dense["metrics"], chunked["metrics"], strict=True)
+              for k in ("loss", "reverse_kl", "grad_norm") if d[k] is not None)
+    return {"pair": str(pair.student_path.parent), "steps": steps, "chunk": chunk,
+            "dense": dense, "chunked": chunked, "max_rel_diff": rel,
+            "same_evals": dense["evals"] == chunked["evals"],
+            "same_decisions": [j["accepted"] for j in dense["jumps"]]
+            == [j["accepted"] for j in chunked["jumps"]]}
+
+
+def _seconds_cell(r: dict[str, Any]) -> str:
+    if not r["measured"]:
+        return "—"
+    runs = [r["seconds"], *r.get("repeat_seconds", [])]
+    return f"{_seconds(r):.1f}" + (f" (median of {len(runs)})" if len(runs) > 1 else "")
+
+
+def _zoo_markdown(z: dict[str, Any]) -> list[str]:
+    rows = [[d["step"], f"{d['loss']:.6f}", f"{c['loss']:.6f}", f"{d['reverse_kl']:.6f}",
+             f"{c['reverse_kl']:.6f}"]
+            for d, c in zip(z["dense"]["metrics"], z["chunked"]["metrics"], strict=True)]
+    return [
+        "", "## An OPD run on the zoo pair, with and without chunking", "",
+        f"`{z['pair']}`: `OPDTrainer`, loss reverse_kl, EffOPD with the -KL gate, batch 64, "
+        f"lr 1e-3, {z['steps']} steps, fp32, seed 0; `--loss_chunk_size 0` vs "
+        f"`{z['chunk']}`. Largest relative difference of a step's loss, reverse KL or gradient "
+        f"norm: **{z['max_rel_diff']:.1e}**; evaluations identical: **{z['same_evals']}** "
+        f"({z['dense']['evals']} vs {z['chunked']['evals']}); gate decisions identical: "
+        f"**{z['same_decisions']}** (accepted {[j['accepted'] for j in z['dense']['jumps']]} "
+        f"vs {[j['accepted'] for j in z['chunked']['jumps']]}). Seconds: "
+        f"{z['dense']['seconds']:.0f} dense, {z['chunked']['seconds']:.0f} chunked.", "",
+        markdown_table(["step", "loss (dense)", "loss (chunked)", "reverse KL (dense)",
+                        "reverse KL (chunked)"], rows)]
 
 
 def _markdown(data: dict[str, Any]) -> str:
@@ -118,15 +227,15 @@ def _markdown(data: dict[str, Any]) -> str:
                 peak = r["loss_peak_bytes"] / GIB
                 peak_s = f"{peak:.3f}" if r["measured"] else f"~{peak:.1f} (expected, not measured)"
                 ratio = (f"{dense['loss_peak_bytes'] / r['loss_peak_bytes']:.1f}×"
-                         + ("" if dense["measured"] else " (vs expected)")
+                         + ("" if dense["measured"] and r["measured"] else " (expected)")
                          if dense and method != "dense" else "")
-                time_ratio = (f"{r['seconds'] / dense['seconds']:.2f}×"
+                time_ratio = (f"{_seconds(r) / _seconds(dense):.2f}×"
                               if dense and dense["measured"] and r["measured"]
                               and method != "dense" else "")
                 fits = ("no" if r["loss_peak_bytes"] + r.get("inputs_bytes", 0) > 24 * GIB
                         else "yes")
                 rows.append([shape, f"{SHAPES[shape][0]} / {SHAPES[shape][1]}", tokens, method,
-                             peak_s, ratio, f"{r['seconds']:.1f}" if r["measured"] else "—",
+                             peak_s, ratio, _seconds_cell(r),
                              time_ratio, fits,
                              f"{r['loss']:.6f}" if r["measured"] else "—"])
     head = ["shape", "hidden / vocab", "tokens", "method", "loss peak GiB", "dense / this",
@@ -139,22 +248,55 @@ def _markdown(data: dict[str, Any]) -> str:
         f"Machine: {info.get('cpu_model')}, {info.get('cpu_count')} cores (shared), torch "
         f"{info['torch']}, commit {info.get('git_commit')}, {info['date']}",
         "",
+        *_headline(data),
         "Reverse KL of a trainable student `lm_head` against a teacher `lm_head` on N completion "
         "tokens (random final hidden states; the student head's weight gradient included). "
         "*loss peak* = peak RSS during the loss minus the RSS before it; each row is its own "
         "process. *chunked* is `--loss_chunk_size "
-        f"{data['chunk']}` (`NextTokenLogits` + `OutputHead`, activation checkpointing); *trl* "
-        "is `trl.trainer.distillation_trainer._chunked_divergence_loss(beta=1)` "
-        f"(trl {data.get('trl_version')}). Dense rows marked *expected* were not run: their peak "
-        f"is the dense loss's largest measured bytes per logit ({data.get('bytes_per_logit')}) × "
-        f"N × V, over this benchmark's {data['max_gib']} GiB limit. *fits 24 GiB*: the loss "
-        "peak plus its inputs (hidden states, both heads and the weight gradient).",
+        f"{data['chunk']}` (`NextTokenLogits` + `OutputHead`: the completion rows projected "
+        f"{data['chunk']} at a time, each chunk's gradient taken in its forward, so the backward "
+        "recomputes nothing); *trl* is "
+        "`trl.trainer.distillation_trainer._chunked_divergence_loss(beta=1)` "
+        f"(trl {data.get('trl_version')}; on CPU it projects every position in tiles of 4096 "
+        "tokens × 32768 vocabulary, its compact path being Triton's). Rows marked *expected* "
+        "were not run: their peak is the line through the method's two largest measured sizes "
+        "at that shape, or, with one, its largest measured bytes per logit (at that shape if "
+        f"measured there) × N × V ({_per_logit_text(data)}), over this benchmark's "
+        f"{data['max_gib']} GiB limit. *fits 24 GiB*: the loss peak plus its inputs (hidden "
+        "states, both heads and the weight gradient). *seconds*: the median over fresh "
+        "processes, alternating the methods. RSS counts what the allocator keeps: glibc may serve "
+        "blocks under 32 MiB from its heap (its dynamic mmap threshold), so at vocab 49,152 (a "
+        "128-row chunk is 24 MiB) the "
+        "chunked peak includes retained heap.",
         "",
         markdown_table(head, rows),
         "",
-        "Timings are single runs on a machine shared with other jobs; the loss values of the "
-        "three methods agree (same inputs, same seed).",
+        "The machine is shared with other jobs, so single timings vary; the loss values of "
+        "the three methods agree (same inputs, same seed).",
+        *(_zoo_markdown(data["zoo"]) if data.get("zoo") else []),
     ])
+
+
+def _headline(data: dict[str, Any]) -> list[str]:
+    """The issue's question at 4k tokens × 152k vocabulary, when those rows exist."""
+    by = data["runs"]
+    dense, chunked, trl = (by.get(f"qwen2.5/4096/{m}") for m in METHODS)
+    if not (dense and chunked and chunked["measured"]):
+        return []
+    line = (f"**At 4,096 tokens × 151,936 vocabulary:** chunked "
+            f"{chunked['loss_peak_bytes'] / GIB:.2f} GiB measured, dense "
+            f"{'~' if not dense['measured'] else ''}{dense['loss_peak_bytes'] / GIB:.1f} GiB "
+            f"{'expected (not measured)' if not dense['measured'] else 'measured'}: "
+            f"**{dense['loss_peak_bytes'] / chunked['loss_peak_bytes']:.0f}× less**")
+    if trl:
+        line += (f"; TRL {'~' if not trl['measured'] else ''}{trl['loss_peak_bytes'] / GIB:.2f} "
+                 f"GiB{'' if trl['measured'] else ' expected'}")
+    return [line + ".", ""]
+
+
+def _per_logit_text(data: dict[str, Any]) -> str:
+    per = {m: _bytes_per_logit(data["runs"], m) for m in METHODS}
+    return ", ".join(f"{m} {v:.1f} B" for m, v in per.items() if v is not None)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,9 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    p.add_argument("--chunk", type=int, default=256, help="chunked: rows per projection")
+    p.add_argument("--chunk", type=int, default=128, help="chunked: rows per projection")
     p.add_argument("--max_gib", type=float, default=8.0,
                    help="run the dense loss only where its expected peak is below this")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="timing runs per method where all three were measured")
+    p.add_argument("--zoo_steps", type=int, default=20, help="0: no zoo OPD comparison")
     p.add_argument("--stem", default="loss_memory")
     p.add_argument("--fresh", action="store_true")
     p.add_argument("--one", nargs=3, metavar=("METHOD", "SHAPE", "TOKENS"),
@@ -180,7 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     data = previous_results(RESULTS, args.stem, fresh=args.fresh) or {"runs": {}}
     data.update({"machine": machine_info(torch.device("cpu")), "tokens": args.tokens,
                  "chunk": args.chunk, "max_gib": args.max_gib, "trl_version": trl.__version__})
+    data.pop("bytes_per_logit", None)  # an earlier version's summary
     runs = data["runs"]
+
+    def save() -> None:
+        write_results(RESULTS, args.stem, data, _markdown(data))
+
     for shape in args.shapes:
         hidden, vocab = SHAPES[shape]
         for tokens in args.tokens:
@@ -189,30 +339,39 @@ def main(argv: list[str] | None = None) -> None:
                 if key in runs and runs[key]["measured"]:
                     continue
                 inputs = 4 * (2 * tokens * hidden + 3 * vocab * hidden)
-                per_logit = _bytes_per_logit(runs)
-                if method == "dense" and per_logit is not None and \
-                        per_logit * tokens * vocab > args.max_gib * GIB:
+                expected = _expected_bytes(runs, method, shape, tokens)
+                if expected is not None and expected > args.max_gib * GIB:
                     runs[key] = {"method": method, "shape": shape, "hidden": hidden,
                                  "vocab": vocab, "tokens": tokens, "measured": False,
-                                 "loss_peak_bytes": per_logit * tokens * vocab,
-                                 "inputs_bytes": inputs}
-                    print(f"{key}: not run, expected {per_logit * tokens * vocab / GIB:.1f} GiB",
-                          flush=True)
+                                 "loss_peak_bytes": expected, "inputs_bytes": inputs}
+                    print(f"{key}: not run, expected {expected / GIB:.1f} GiB", flush=True)
+                    save()
                     continue
-                cmd = [sys.executable, "-m", "benchmarks.loss_memory", "--chunk", str(args.chunk),
-                       "--one", method, shape, str(tokens)]
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
-                                     cwd=os.path.dirname(os.path.dirname(RESULTS)))
-                runs[key] = {**json.loads(out.stdout.strip().splitlines()[-1]),
-                             "inputs_bytes": inputs}
+                runs[key] = {**_child(method, shape, tokens, args.chunk), "inputs_bytes": inputs}
                 r = runs[key]
                 print(f"{key}: {r['loss_peak_bytes'] / GIB:.3f} GiB, {r['seconds']:.1f} s, "
                       f"loss {r['loss']:.6f}", flush=True)
-                data["bytes_per_logit"] = _bytes_per_logit(runs)
-                write_results(RESULTS, args.stem, data, _markdown(data))
-    data["bytes_per_logit"] = _bytes_per_logit(runs)
-    write_results(RESULTS, args.stem, data, _markdown(data))
+                save()
+    for shape in args.shapes:  # timing repeats, methods alternating
+        for tokens in args.tokens:
+            keys = [f"{shape}/{tokens}/{m}" for m in METHODS]
+            if not all(k in runs and runs[k]["measured"] for k in keys):
+                continue
+            for i in range(args.repeats):
+                order = METHODS if i % 2 else METHODS[::-1]
+                for method in order:
+                    r = runs[f"{shape}/{tokens}/{method}"]
+                    if len(r.get("repeat_seconds", [])) > i:
+                        continue
+                    r.setdefault("repeat_seconds", []).append(
+                        _child(method, shape, tokens, args.chunk)["seconds"])
+                    print(f"{shape}/{tokens}/{method}: timed {r['repeat_seconds'][-1]:.1f} s",
+                          flush=True)
+                    save()
+    if args.zoo_steps and not data.get("zoo"):
+        data["zoo"] = zoo_comparison(args.zoo_steps, chunk=16)
+        print(f"zoo: max rel diff {data['zoo']['max_rel_diff']:.1e}", flush=True)
+    save()
 
 
 if __name__ == "__main__":

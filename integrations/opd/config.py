@@ -99,7 +99,8 @@ class OPDConfig(EffOPDOptions):
         None, "completion tokens per lm_head projection in the loss (from the final hidden "
         "states, recomputed in the backward: the full-vocabulary losses, the sampled tokens' "
         "log-probs and the -KL gate never hold tokens x vocab logits); 0: dense logits; "
-        "default: 256 once a micro-batch's completion tokens x vocab reach 2^26, dense below")
+        "default: 128 when a micro-batch's largest completion (rows x max_new_tokens) x vocab "
+        "reaches 2^26 logits, dense below")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1)
     # optimizer
     optimizer: str = option("adamw", "base optimizer", choices=_OPTIMIZERS)
@@ -163,10 +164,6 @@ class OPDConfig(EffOPDOptions):
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size must be >= 0 (0: dense), got {self.loss_chunk_size}")
-        if self.fsdp and self.loss_chunk_size:
-            raise ValueError("loss_chunk_size > 0 is not supported with fsdp yet: the chunked "
-                             "loss projects with the lm_head after the root module's forward, "
-                             "when FSDP2 has resharded its weight; use --loss_chunk_size 0")
         if self.loss == "drgrpo" and self.num_samples < 2:
             raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
         for name in self.report_to_list():

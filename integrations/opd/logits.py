@@ -13,7 +13,8 @@ scores over the aligned positions ``[B, T]`` (position ``t`` predicts ``tokens[:
 asks the model for the logits of its last position only (``logits_to_keep=1``) and checks that
 its own ``OutputHead`` reproduces them: a model whose head transforms logits in a way
 ``OutputHead`` does not know is refused in one line, never scored with a silently different
-loss.
+loss. Under FSDP2 the root module reshards the ``lm_head`` after its forward, so the chunked
+form gathers it once per call (``OutputHead.unsharded``), its gradient reduce-scattered back.
 
 Pure torch: this module must not import transformers (models are duck-typed).
 """
@@ -99,6 +100,27 @@ class OutputHead:
             scale = scale / divide
         softcap = getattr(text, "final_logit_softcapping", None) or None
         return cls(head.weight, head.bias, vocab_size=vocab_size, scale=scale, softcap=softcap)
+
+    def unsharded(self, dtype: torch.dtype) -> OutputHead:
+        """This head with an FSDP2-sharded weight and bias (``DTensor``s: after the root
+        module's forward they are resharded) all-gathered once, in ``dtype`` (the dtype the
+        forward computed in, under mixed precision). Their gradients go back to the shards
+        summed over the ranks (a reduce-scatter), as FSDP reduces the other parameters'
+        (``sharding.shard`` sums). The same head when nothing is sharded."""
+        def full(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or type(t).__name__ != "DTensor":
+                return t
+            from torch.distributed.tensor import Partial, Replicate
+
+            ndim = t.device_mesh.ndim
+            return t.redistribute(placements=[Replicate()] * ndim).to_local(
+                grad_placements=[Partial()] * ndim).to(dtype)
+
+        weight = full(self.weight)
+        if weight is self.weight:
+            return self
+        return OutputHead(weight, full(self.bias), vocab_size=self.vocab_size, scale=self.scale,
+                          softcap=self.softcap)
 
     def check(self, hidden: torch.Tensor, logits: torch.Tensor, what: str) -> None:
         """Raise ``ValueError`` unless this head maps ``hidden`` ``[n, H]`` to the model's own
@@ -242,9 +264,13 @@ class _SumsWithGradient(torch.autograd.Function):
         n, vocab = rows.shape[0], head.vocab_size
         other_rows = [x.states[mask] for x in others]
         grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[5] else None
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[6] else None
-        grad_bias = (torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[7]
-                     else None)
+        # Accumulated over the chunks in fp32 (a bf16 head's gradient is rounded once, at the
+        # end, as one dense matmul's would be).
+        acc = compute_dtype(weight.dtype)
+        grad_weight = (torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[6]
+                       else None)
+        grad_bias = (torch.zeros_like(bias, dtype=acc)
+                     if bias is not None and ctx.needs_input_grad[7] else None)
         step = chunk_size or max(n, 1)
         totals = None
         for start in range(0, max(n, 1), step):
@@ -257,19 +283,21 @@ class _SumsWithGradient(torch.autograd.Function):
             if grad_rows is not None:
                 grad_rows[start:start + step] = (dz @ weight[:vocab]).to(rows.dtype)
             if grad_weight is not None:
-                grad_weight[:vocab].addmm_(dz.T, h.to(weight.dtype))
+                grad_weight[:vocab].addmm_(dz.T.to(acc), h.to(acc))
             if grad_bias is not None:
-                grad_bias[:vocab] += dz.sum(0)
+                grad_bias[:vocab] += dz.sum(0, dtype=acc)
             outs = tuple(o.detach() for o in outs)
             totals = outs if totals is None else tuple(a + b for a, b in zip(totals, outs,
                                                                                strict=True))
         ctx.grads = (grad_rows, grad_weight, grad_bias)
+        ctx.dtypes = (rows.dtype, weight.dtype, None if bias is None else bias.dtype)
         return totals
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_sum, *_):
-        grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)) for g in ctx.grads)
+        grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)).to(dtype)
+                      for g, dtype in zip(ctx.grads, ctx.dtypes, strict=True))
         ctx.grads = None
         return (None, None, None, None, None, *grads)
 
@@ -332,5 +360,6 @@ def model_logits(model: nn.Module, sequences: torch.Tensor, attention_mask: torc
         raise ValueError(f"--loss_chunk_size: {type(model).__name__} does not return its hidden "
                          f"states with logits_to_keep ({err}); use --loss_chunk_size 0") from None
     hidden = out.hidden_states[-1]
+    head = head.unsharded(hidden.dtype)
     head.check(hidden[:, -1], out.logits[:, -1], type(model).__name__)
     return NextTokenLogits(hidden[:, :-1], head, chunk_size)

@@ -11,6 +11,10 @@ Conventions (shared by every loss here):
   the whole gradient-accumulation window as ``num_tokens`` so that micro-batch losses (and their
   gradients) add up to a per-token mean; ``None`` uses this batch's mask sum.
 - Math is done in fp32 (or fp64 when given fp64); teacher quantities never carry gradient.
+- No loss assumes (tokens × vocab) tensors: the full-vocabulary losses take dense logits or
+  ``NextTokenLogits`` (final hidden states + the output head, projected a chunk of completion
+  rows at a time), and each loss declares what it reads from the teacher (``LossInputs.teacher``,
+  a ``TeacherNeeds``).
 
 Pure torch: this module must not import transformers (vocab checks use duck typing).
 """

@@ -21,16 +21,16 @@ from .teacher import ModelTeacher, Teacher, TeacherNeeds
 __all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "loss_chunk_rows",
            "AUTO_CHUNK_ROWS", "AUTO_CHUNK_ELEMENTS"]
 
-# --loss_chunk_size's default: chunk a micro-batch whose completion tokens × vocabulary reach
-# 2^26 logits (256 MiB per fp32 copy; the dense loss holds several), 256 rows at a time
-# (benchmarks/results/loss_memory.md).
+# --loss_chunk_size's default: chunk when a micro-batch's completion tokens × vocabulary can
+# reach 2^26 logits (256 MiB per fp32 copy; the dense loss holds about a dozen), 128 rows at a
+# time (benchmarks/results/loss_memory.md).
 AUTO_CHUNK_ELEMENTS = 1 << 26
-AUTO_CHUNK_ROWS = 256
+AUTO_CHUNK_ROWS = 128
 
 
 def loss_chunk_rows(setting: int | None, num_tokens: int, vocab_size: int) -> int:
-    """Rows per ``lm_head`` projection for a micro-batch of ``num_tokens`` completion tokens:
-    ``setting`` when given (0: dense logits), else ``AUTO_CHUNK_ROWS`` once
+    """Rows per ``lm_head`` projection for micro-batches of up to ``num_tokens`` completion
+    tokens: ``setting`` when given (0: dense logits), else ``AUTO_CHUNK_ROWS`` once
     ``num_tokens × vocab_size`` reaches ``AUTO_CHUNK_ELEMENTS`` and dense below."""
     if setting is not None:
         return setting

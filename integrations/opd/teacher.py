@@ -139,25 +139,18 @@ class Teacher(ABC):
 
 class ModelTeacher(Teacher):
     """The in-process teacher: ``model`` (an ``nn.Module`` causal LM) run under ``no_grad``.
-    ``chunk_size`` (rows per head projection; 0: dense logits) is a ``Callable[[int], int]`` of
-    the batch's completion-token count or a fixed int, so a run can chunk only large batches.
-    For ``FULL`` with chunking it returns the final hidden states and the output head, not
-    logits; ``SAMPLED`` and ``topk`` are computed a chunk of rows at a time from those."""
+    With ``chunk_size`` > 0 (rows per head projection; 0: dense logits) ``FULL`` is the final
+    hidden states and the output head, not logits, and ``SAMPLED`` and ``topk`` are computed a
+    chunk of rows at a time from those."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, *, chunk_size=0) -> None:
+    def __init__(self, model: nn.Module, vocab_size: int, *, chunk_size: int = 0) -> None:
         self.model, self.vocab_size, self.chunk_size = model, vocab_size, chunk_size
-
-    def rows_per_chunk(self, completion_mask: torch.Tensor) -> int:
-        """The chunk size for a batch with this completion mask (0: dense)."""
-        if callable(self.chunk_size):
-            return self.chunk_size(int(completion_mask[:, 1:].sum()))
-        return self.chunk_size
 
     @torch.no_grad()
     def score(self, sequences: torch.Tensor, attention_mask: torch.Tensor,
               completion_mask: torch.Tensor, needs: TeacherNeeds) -> TeacherScores:
         logits = model_logits(self.model, sequences, attention_mask, self.vocab_size,
-                              chunk_size=self.rows_per_chunk(completion_mask))
+                              chunk_size=self.chunk_size)
         if needs.level == "full":
             return TeacherScores(logits=logits)
         tokens, mask = sequences[:, 1:], completion_mask[:, 1:].bool()

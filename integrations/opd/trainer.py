@@ -130,9 +130,17 @@ class OPDTrainer:
 
         if isinstance(teacher_model, nn.Module):
             teacher_model.requires_grad_(False).eval()
+        # Rows per lm_head projection in the loss and the gate (0: dense logits), decided once
+        # from the largest micro-batch (or gate set) a rank can have, so every micro-batch and
+        # every rank agrees (under FSDP a chunked forward gathers the lm_head: a collective).
+        rows = max(-(-config.batch_size * config.num_samples
+                     // (self.world * config.gradient_accumulation_steps)),
+                   -(-config.gate_size // self.world))
+        self.loss_chunk_size = loss_chunk_rows(config.loss_chunk_size, rows * self.max_new_tokens,
+                                               self.vocab_size)
         self.teacher_scorer: Teacher = (
             teacher if isinstance(teacher, Teacher)
-            else ModelTeacher(teacher, self.vocab_size, chunk_size=self._chunk_rows))
+            else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
         self.teacher_scorer.check(teacher_needs(config.loss), f"--loss {config.loss}")
         # Several teachers: every problem's teacher is known before step 0 (one line if not).
         self.router = teacher if isinstance(teacher, TeacherRouter) else None
@@ -207,12 +215,6 @@ class OPDTrainer:
             self.gate_evals += 1
             self.gate_seconds += time.perf_counter() - start
 
-    def _chunk_rows(self, num_tokens: int) -> int:
-        """Rows per lm_head projection in the loss of a micro-batch (``loss_chunk_rows``);
-        always dense under FSDP (see ``OPDConfig.loss_chunk_size``)."""
-        setting = 0 if self.config.fsdp else self.config.loss_chunk_size
-        return loss_chunk_rows(setting, num_tokens, self.vocab_size)
-
     def synced_engine(self) -> Engine:
         """The engine, given the student's weights as they are now. Every generation goes
         through here, the one place weights reach the engine, so rollouts, gate candidates and
@@ -240,7 +242,6 @@ class OPDTrainer:
                                     "completion_mask": r.completion_mask}
             self._gate_teacher = None
         g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
-        chunk = self._chunk_rows(int(g["completion_mask"][:, 1:].sum()))
         if self._gate_teacher is None:
             self._gate_teacher = self.teacher_scorer.score(
                 g["sequences"], g["attention_mask"], g["completion_mask"], TeacherNeeds.FULL)
@@ -249,7 +250,7 @@ class OPDTrainer:
         try:
             with torch.no_grad():
                 student = model_logits(self.student, g["sequences"], g["attention_mask"],
-                                       self.vocab_size, chunk_size=chunk)
+                                       self.vocab_size, chunk_size=self.loss_chunk_size)
                 out = reverse_kl_loss(student, self._gate_teacher.full(),
                                       g["completion_mask"][:, 1:])
         finally:
@@ -422,17 +423,15 @@ class OPDTrainer:
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
-        completion = rollout.completion_mask[rows]
         if hasattr(self.teacher_scorer, "step"):  # a served teacher names it in a failure
             self.teacher_scorer.step = self.step + 1  # the step as logged
         teacher = self.teacher_scorer
         if self.router is not None:
             teacher = self.router.for_rows(self._row_teachers[rows])
         scores = score_tokens(self.student, teacher, rollout.sequences[rows],
-                              rollout.attention_mask[rows], completion, self.vocab_size,
-                              needs=teacher_needs(self.config.loss),
-                              chunk_size=self._chunk_rows(int(completion[:, 1:].sum())),
-                              advantages=advantages)
+                              rollout.attention_mask[rows], rollout.completion_mask[rows],
+                              self.vocab_size, needs=teacher_needs(self.config.loss),
+                              chunk_size=self.loss_chunk_size, advantages=advantages)
         out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
         if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
             with torch.no_grad():

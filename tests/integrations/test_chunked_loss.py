@@ -101,6 +101,25 @@ def test_chunked_full_vocab_losses_equal_the_dense_ones(c):
             assert a.shape[0] != c["vocab"] + c["pad"] or not a[c["vocab"]:].any()
 
 
+def test_chunked_bf16_head_matches_the_dense_loss():
+    """A bf16 head, one row per chunk: the loss and its gradients (bf16, as the parameters) are
+    the dense loss's to bf16 precision."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 40, 16, generator=g).bfloat16().requires_grad_(True)
+    w = (torch.randn(50, 16, generator=g) / 4).bfloat16().requires_grad_(True)
+    ht, wt = torch.randn(2, 40, 16, generator=g).bfloat16(), torch.randn(50, 16, generator=g)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    dense = reverse_kl_loss(h @ w.T, ht @ wt.bfloat16().T, mask)
+    dense_grads = torch.autograd.grad(dense.loss, [h, w])
+    out = reverse_kl_loss(NextTokenLogits(h, OutputHead(w, vocab_size=50), 1),
+                          NextTokenLogits(ht, OutputHead(wt.bfloat16(), vocab_size=50), 1), mask)
+    grads = torch.autograd.grad(out.loss, [h, w])
+    assert all(x.dtype == torch.bfloat16 for x in grads)
+    torch.testing.assert_close(out.loss, dense.loss, rtol=1e-2, atol=1e-3)
+    for a, b in zip(grads, dense_grads, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+
+
 @given(cases())
 def test_chunked_sampled_token_logprobs_equal_the_dense_ones(c):
     """The sampled tokens' log-probs (and their gradient) from a logsumexp per chunk."""
@@ -225,7 +244,7 @@ def test_model_heads_with_their_own_transform(tokenizer):
 def test_auto_chunk_size():
     assert loss_chunk_rows(0, 10**6, 10**6) == 0 and loss_chunk_rows(7, 1, 1) == 7
     assert loss_chunk_rows(None, 64, 64) == 0  # small: dense
-    assert loss_chunk_rows(None, 4096, 151936) == 256
+    assert loss_chunk_rows(None, 4096, 151936) == 128
 
 
 # --------------------------------------------------------------------- the Teacher seam
