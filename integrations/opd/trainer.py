@@ -51,6 +51,7 @@ from .logits import model_logits
 from .losses import compute_loss, group_advantages, reverse_kl_loss, teacher_needs
 from .metrics import MetricsLog
 from .ranks import Ranks
+from .routing import TeacherRouter
 from .scoring import greedy_accuracy, loss_chunk_rows, score_tokens
 from .sharding import require_process_group, shard
 from .tasks import Problem, Task
@@ -141,6 +142,13 @@ class OPDTrainer:
             teacher if isinstance(teacher, Teacher)
             else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
         self.teacher_scorer.check(teacher_needs(config.loss), f"--loss {config.loss}")
+        # Several teachers: every problem's teacher is known before step 0 (one line if not).
+        self.router = teacher if isinstance(teacher, TeacherRouter) else None
+        self._row_teachers: list[str] = []
+        if self.router is not None:
+            for split, problems in (("training", self.train_problems), ("gate", self.gate_problems),
+                                    ("eval", self.eval_problems)):
+                self.router.names(problems, what=f"{split} problems")
         if config.extrapolate and config.gate == "neg_kl":
             self.teacher_scorer.check(TeacherNeeds.FULL, "--gate neg_kl")
         student.train()
@@ -250,9 +258,23 @@ class OPDTrainer:
         return out.metrics["reverse_kl"]
 
     def evaluate(self) -> float:
-        """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
+        """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any).
+        With several teachers, each teacher's problems are evaluated apart and
+        ``eval_by_teacher`` holds their accuracies (``eval_accuracy/NAME`` in the metrics)."""
         with self._ema_weights():
-            return self._accuracy(self.eval_problems, across_ranks=True)
+            if self.router is None:
+                return self._accuracy(self.eval_problems, across_ranks=True)
+            names = self.router.names(self.eval_problems)
+            correct = total = 0.0
+            self.eval_by_teacher = {}
+            for name in self.router.teachers:
+                group = [p for p, n in zip(self.eval_problems, names, strict=True) if n == name]
+                acc = self._accuracy(group, across_ranks=False) if group else 0.0
+                c, n = self.ranks.sum([acc * len(group), len(group)])
+                if n:
+                    self.eval_by_teacher[f"eval_accuracy/{name}"] = c / n
+                correct, total = correct + c, total + n
+            return correct / total
 
     def _accuracy(self, problems: list[Problem], *, across_ranks: bool) -> float:
         """Greedy exact match on this rank's ``problems``; with ``across_ranks``, of all ranks'."""
@@ -325,6 +347,8 @@ class OPDTrainer:
             seed=c.seed * 1_000_003 + self.step * self.world + self.rank,
             num_samples=c.num_samples).to(c.device)
         rows_problems = [p for p in problems for _ in range(c.num_samples)]  # prompt-major rows
+        if self.router is not None:
+            self._row_teachers = self.router.names(rows_problems)
         rewards = torch.tensor([self.task.reward(t, p) for t, p in
                                 zip(rollout.texts, rows_problems, strict=True)])
         return rollout, rewards
@@ -340,6 +364,8 @@ class OPDTrainer:
         rows = rollout.sequences.shape[0]
         chunk = rows // c.gradient_accumulation_steps
         loss_total = 0.0
+        self._kl_by_teacher: dict[str, list[float]] = {}
+        seconds_before = dict(self.router.seconds) if self.router is not None else {}
         for start in range(0, rows, chunk):
             sl = slice(start, start + chunk)
             out = self._micro_batch_loss(rollout, sl, max(total_tokens, 1), advantages[sl])
@@ -363,7 +389,23 @@ class OPDTrainer:
             "num_tokens": total_tokens,
             "reward": reward_sum / reward_n,
             "grad_norm": grad_norm,
+            **self._per_teacher_metrics(seconds_before),
         }
+
+    def _per_teacher_metrics(self, seconds_before: dict[str, float]) -> dict[str, float]:
+        """With several teachers: each one's sampled-token reverse KL over its rows of this
+        step (all ranks) and this rank's seconds scoring them."""
+        if self.router is None:
+            return {}
+        names = list(self.router.teachers)
+        kl = [self._kl_by_teacher.get(n, [0.0, 0.0]) for n in names]
+        summed = self.ranks.sum([v for pair in kl for v in pair])
+        out = {}
+        for i, name in enumerate(names):
+            if summed[2 * i + 1]:
+                out[f"reverse_kl/{name}"] = summed[2 * i] / summed[2 * i + 1]
+            out[f"seconds_teacher/{name}"] = self.router.seconds[name] - seconds_before[name]
+        return out
 
     def _update(self):
         """The optimizer step (and the EffOPD search when scheduled); the search's
@@ -381,11 +423,25 @@ class OPDTrainer:
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
-        scores = score_tokens(self.student, self.teacher_scorer, rollout.sequences[rows],
+        if hasattr(self.teacher_scorer, "step"):  # a served teacher names it in a failure
+            self.teacher_scorer.step = self.step + 1  # the step as logged
+        teacher = self.teacher_scorer
+        if self.router is not None:
+            teacher = self.router.for_rows(self._row_teachers[rows])
+        scores = score_tokens(self.student, teacher, rollout.sequences[rows],
                               rollout.attention_mask[rows], rollout.completion_mask[rows],
                               self.vocab_size, needs=teacher_needs(self.config.loss),
                               chunk_size=self.loss_chunk_size, advantages=advantages)
-        return compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
+        out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
+        if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
+            with torch.no_grad():
+                ls, lt = scores.logprobs()
+                per_row = ((ls - lt) * scores.mask).sum(1).tolist()
+                counts = scores.mask.sum(1).tolist()
+            for name, kl, n in zip(self._row_teachers[rows], per_row, counts, strict=True):
+                sums = self._kl_by_teacher.setdefault(name, [0.0, 0.0])
+                sums[0], sums[1] = sums[0] + kl, sums[1] + n
+        return out
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
@@ -434,6 +490,8 @@ class OPDTrainer:
         return result
 
     def _log(self, m: dict[str, Any], result: TrainResult) -> None:
+        if "eval_accuracy" in m and self.router is not None:
+            m.update(self.eval_by_teacher)
         result.metrics.append(m)
         if "jump" in m:
             result.jumps.append(m["jump"])
