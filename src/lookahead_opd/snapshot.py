@@ -42,6 +42,18 @@ class SnapshotStore:
         """The anchor of entry ``index`` as a new fp32 tensor on ``device``."""
         raise NotImplementedError
 
+    def anchor_view(self, index: int, device: torch.device) -> Tensor:
+        """The anchor of entry ``index`` on ``device``, in any float dtype, to read only: the
+        stored tensor itself where it can be, so a search's pass over the weights reads the
+        anchor without copying it first."""
+        return self.anchor(index, device)
+
+    def adopt(self, index: int, tensor: Tensor) -> None:
+        """Make ``tensor``'s values the anchor of entry ``index``, keeping ``tensor`` itself
+        where the store can (the caller no longer uses it): a refused search's backup of the
+        weights becomes the new anchor without a copy."""
+        self.capture(index, tensor)
+
     def nbytes(self) -> int:
         """Bytes held for the anchors (a low-rank store's CPU/disk reference not included)."""
         raise NotImplementedError
@@ -85,6 +97,18 @@ class FullSnapshot(SnapshotStore):
 
     def anchor(self, index: int, device: torch.device) -> Tensor:
         return self._anchors[index].to(device=device, dtype=torch.float32, copy=True)
+
+    def anchor_view(self, index: int, device: torch.device) -> Tensor:
+        return self._anchors[index].to(device)
+
+    def adopt(self, index: int, tensor: Tensor) -> None:
+        stored, t = self._anchors[index], tensor.detach()
+        if (stored.dtype, stored.device, stored.shape) == (t.dtype, t.device, t.shape) and (
+            t.is_contiguous()
+        ):
+            self._anchors[index] = t
+        else:
+            self.capture(index, t)
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._anchors)

@@ -168,7 +168,8 @@ def test_fsdp2_matches_single_process(tmp_path):
         # Shards sketch their part of the global tensor: the cosine is the unsharded run's.
         for key in ("secant_cosine", "norm_ratio"):
             assert (got[key] is None) == (want[key] is None)
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6)
+            if want[key] is not None:  # None at the first search
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6)
     for name, p in ref["params"].items():
         torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=1e-6)
 
