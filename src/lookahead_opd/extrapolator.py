@@ -331,10 +331,11 @@ class Extrapolator:
             if p.device not in scratch:
                 scratch[p.device] = torch.empty(_CHUNK, device=p.device)
             with _Flat(p) as flat:
-                anchor, base = self.store.anchor_view(i, p.device).reshape(-1), base.reshape(-1)
+                base = base.reshape(-1)
                 for a in range(0, flat.numel(), _CHUNK):
                     z = min(a + _CHUNK, flat.numel())
-                    delta = _delta(base[a:z], anchor[a:z], scratch[p.device][: z - a])
+                    anchor = self.store.anchor_run(i, a, z, p.device)
+                    delta = _delta(base[a:z], anchor, scratch[p.device][: z - a])
                     if measure:
                         sq[i] += float(delta.double().square().sum())
                     _candidate(flat[a:z], base[a:z], delta, c)
@@ -358,7 +359,6 @@ class Extrapolator:
                 done = 0
                 with _Flat(p, write=first is not None) as flat:
                     b_flat, scratch = b.view(-1), run.scratch(p.device)
-                    anchor = self.store.anchor_view(i, p.device).reshape(-1)
                     base = flat if self.direction == "secant" else (
                         self._averages[i].to(p.device).view(-1))
                     for piece in run.pieces(i, p, distributed.shard_layout(param)):
@@ -366,7 +366,8 @@ class Extrapolator:
                         b_flat[a:z].copy_(flat[a:z])
                         done = z
                         if piece.mine or first is not None:
-                            delta = _delta(base[a:z], anchor[a:z], scratch[: z - a])
+                            anchor = self.store.anchor_run(i, a, z, p.device)
+                            delta = _delta(base[a:z], anchor, scratch[: z - a])
                             if first is not None:
                                 _candidate(flat[a:z], base[a:z], delta, first)
                             if piece.mine:
