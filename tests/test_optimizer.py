@@ -679,3 +679,35 @@ def test_direction_rank_jumps_along_the_top_singular_subspace() -> None:
     assert torch.linalg.matrix_rank(w.detach() - w1) == 2
     with pytest.raises(ValueError, match="direction_rank"):
         ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), lambda: 0.0, direction_rank=0)
+
+
+def test_an_error_inside_the_search_pass_puts_w_t_back():
+    """The pass writes the first candidate as it goes: if it fails half way (here the anchor
+    store, on the second tensor), the tensors already written come back to W_t exactly."""
+    model = make_mlp(0)
+    scored = []
+
+    def gate() -> float:
+        scored.append([p.detach().clone() for p in model.parameters()])
+        return 0.0
+
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=gate,
+                                 schedule=[2])
+    data = batches(1, 2)
+    train(model, opt, data, stop=1)
+    store, calls = opt.extrapolator.store, []
+    real = store.anchor_run
+
+    def failing(index, start, stop, device):
+        calls.append(index)
+        if index == 1:
+            raise RuntimeError("store failed")
+        return real(index, start, stop, device)
+
+    store.anchor_run = failing
+    with pytest.raises(RuntimeError, match="store failed"):
+        train(model, opt, data, start=1)
+    assert calls[0] == 0 and calls[-1] == 1  # the first tensor was written, then it failed
+    (w_t,) = scored  # the search scored W_t, then failed in its pass
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), w_t, strict=True))
+    assert opt.extrapolator.history == []  # no search recorded

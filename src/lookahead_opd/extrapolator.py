@@ -349,7 +349,7 @@ class Extrapolator:
         once, and writes the backup and the candidate once. Returns ``(backup, sketch)``; on an
         exception the weights are put back first."""
         backup: list[Tensor] = []
-        run, done = None, 0  # done: elements of the current parameter backed up so far
+        run, finished, done = None, 0, 0  # parameters passed; elements of the next backed up
         try:
             for i, param in enumerate(self._params):
                 p = distributed.local_tensor(param).detach()
@@ -372,17 +372,19 @@ class Extrapolator:
                                 _candidate(flat[a:z], base[a:z], delta, first)
                             if piece.mine:
                                 run.add(piece, delta)
+                finished += 1
+            sketch = run.result() if run is not None else None  # all-reduced: a collective
         except BaseException:
             if first is not None:  # candidates were written up to here: W_t comes back
-                *whole, last = list(zip(self._local(), backup, strict=False)) or [(None, None)]
-                for p, b in whole:
-                    p.copy_(b)
-                if last[0] is not None and last[0].is_contiguous():  # else it was not written
-                    last[0].view(-1)[:done].copy_(last[1].view(-1)[:done])
+                for n, (p, b) in enumerate(zip(self._local(), backup, strict=False)):
+                    if n < finished:
+                        p.copy_(b)
+                    elif p.is_contiguous():  # a copy of a non-contiguous one was not written
+                        p.view(-1)[:done].copy_(b.view(-1)[:done])
             raise
-        if run is None:
+        if sketch is None:
             raise RuntimeError("no parameters to search over")
-        return backup, run.result()
+        return backup, sketch
 
     @torch.no_grad()
     def search(self) -> JumpRecord:
