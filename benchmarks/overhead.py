@@ -9,10 +9,19 @@
 3. Anchor-store memory, full vs low-rank at several ranks, on the model and on a synthetic set
    of 4096x4096 matrices; compression time per capture; and the low-rank anchor's relative
    error after a few real training steps (next to the best possible rank-r error).
+4. One search on a 135M-parameter model with SmolLM2-135M's shapes, part by part (backup of
+   W_t, Δ, sketch, candidate, restore, new anchor / low-rank compression), as a fraction of one
+   bare AdamW step and of one OPD step, full and low-rank; with ``--baseline`` the same for an
+   older copy of the library, in the same rounds (side by side).
 
-    python -m benchmarks.overhead                 # full run (~3-6 min on 2 CPU cores)
-    python -m benchmarks.overhead --quick         # smoke run, small model, < 1 min
+    python -m benchmarks.overhead                 # full run (~10 min on 2 shared CPU cores)
+    python -m benchmarks.overhead --quick         # smoke run, small models, < 1 min
     python -m benchmarks.overhead --device cuda   # writes overhead_cuda.{json,md}
+
+    # "before" next to "after": a copy of the library at an older commit, loaded under
+    # another name in the same process
+    git archive 5179b80 src/lookahead_opd | tar -x -C /tmp/before
+    python -m benchmarks.overhead --threads 1 --baseline /tmp/before/src/lookahead_opd
 
 Results go to benchmarks/results/overhead<suffix>.{json,md}; the table is also printed.
 """
@@ -20,10 +29,14 @@ Results go to benchmarks/results/overhead<suffix>.{json,md}; the table is also p
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
+import sys
 import time
+from collections import defaultdict
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,6 +55,19 @@ from benchmarks.common import (
 from lookahead_opd import ExtrapolatingOptimizer, Extrapolator, FullSnapshot, LowRankSnapshot
 
 NEVER = [10**9]  # a schedule that does not fire during the benchmark
+SECTIONS = ("wrapper", "candidate", "model_snapshots", "synthetic", "search")
+# SmolLM2-135M's architecture (LlamaForCausalLM): 134,515,008 parameters.
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                    tie_word_embeddings=True, max_position_embeddings=2048)
+QUICK_LLAMA = dict(SMOLLM2_135M, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
+# One OPD step on SmolLM2-135M-Instruct through `lookahead-opd train` (batch 4, 48-token
+# completions, fp32, CPU, one thread) and one bare AdamW step on it, as issue 27 measured them
+# on one machine: not re-measured here. An OPD step is their ratio in bare AdamW steps, which
+# survives a machine slowed by other work better than seconds do.
+OPD_STEP_S, ISSUE_ADAMW_STEP_S = 14.0, 0.55
+BASELINE_COMMIT = "5179b80"  # main before issue 27: what the committed 'before' column ran
 
 
 def free_eval() -> float:
@@ -80,6 +106,13 @@ def parse_args() -> argparse.Namespace:
     s.add_argument("--synthetic-size", type=int, default=None, help="default 4096 (1024 quick)")
     s.add_argument("--synthetic-matrices", type=int, default=3)
     s.add_argument("--synthetic-vectors", type=int, default=4)
+    b = p.add_argument_group("4. one search, part by part")
+    b.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma list of {', '.join(SECTIONS)}; a subset needs --no-write or --suffix")
+    b.add_argument("--baseline", default=None,
+                   help="a copy of an older lookahead_opd package directory, timed side by side")
+    b.add_argument("--search-rounds", type=int, default=None, help="default 5 (2 with --quick)")
+    b.add_argument("--search-rank", type=int, default=16, help="the low-rank store's rank")
     o = p.add_argument_group("output")
     o.add_argument(
         "--output-dir",
@@ -104,6 +137,7 @@ def parse_args() -> argparse.Namespace:
         "rounds": (2, 9, 30),
         "acc_steps": (4, 16, 16),
         "synthetic_size": (1024, 4096, 4096),
+        "search_rounds": (2, 5, 10),
     }
     col = 0 if args.quick else (2 if cuda else 1)
     for key, values in defaults.items():
@@ -112,6 +146,14 @@ def parse_args() -> argparse.Namespace:
     if args.suffix is None:
         args.suffix = ("_cuda" if cuda else "") + ("_quick" if args.quick else "")
     args.ranks = [int(x) for x in args.ranks.split(",") if x.strip()]
+    args.sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    unknown = sorted(set(args.sections) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    if set(args.sections) != set(SECTIONS) and not args.no_write and "--suffix" not in sys.argv:
+        p.error("a subset of --sections would overwrite the full results: add --no-write or --suffix")
+    if args.baseline is not None and not os.path.isfile(os.path.join(args.baseline, "__init__.py")):
+        p.error(f"--baseline {args.baseline!r} is not a package directory (no __init__.py)")
     return args
 
 
@@ -451,6 +493,180 @@ def bench_synthetic(device, args) -> dict[str, Any]:
     return out
 
 
+# --------------------------------------------------------------------------- 4. one search
+
+
+def load_library(path: str, name: str = "lookahead_opd_baseline") -> ModuleType:
+    """The lookahead_opd package at ``path`` (e.g. extracted from an older commit), imported
+    under ``name`` so it runs beside this checkout's in one process."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(path, "__init__.py"), submodule_search_locations=[path]
+    )
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+class PartClock:
+    """Exclusive wall seconds of methods patched onto objects (or classes) for one call: a
+    part called inside another counts once, in its own label."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._stack: list[float] = []
+        self._patched: list[tuple[Any, str, Any, bool]] = []
+
+    def patch(self, owner: Any, name: str, label: str) -> None:
+        if not hasattr(owner, name):
+            return
+        original, own = getattr(owner, name), name in vars(owner)
+        clock = self
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            clock._stack.append(0.0)
+            sync(clock.device)
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                sync(clock.device)
+                elapsed = time.perf_counter() - t0
+                inner = clock._stack.pop()
+                clock.seconds[label] += elapsed - inner
+                if clock._stack:
+                    clock._stack[-1] += elapsed
+
+        setattr(owner, name, timed)
+        self._patched.append((owner, name, original, own or isinstance(owner, type)))
+
+    def unpatch(self) -> None:
+        for owner, name, original, own in reversed(self._patched):
+            if own:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+        self._patched = []
+
+
+# The parts of a search, in the order of the table: (label, what it is).
+PARTS = [
+    ("backup", "backup: a copy of W_t"),
+    ("delta", "Δ: read the anchor (low-rank: rebuild reference + U·Vᵀ)"),
+    ("sketch", "sketch of Δ (secant cosine)"),
+    ("apply", "candidate W_t + c·Δ written"),
+    ("pass", "one pass: backup + Δ + candidate 1 (after only)"),
+    ("restore", "restore W_t"),
+    ("anchor", "new anchor: copy (full) / compression (low-rank)"),
+    ("rest", "the rest (bookkeeping)"),
+]
+
+
+def search_parts(clock: PartClock, ex: Any, library: ModuleType) -> None:
+    """Patch the methods a search of ``library``'s ``Extrapolator`` runs, whichever version."""
+    for name, label in (("copy_weights", "backup"), ("_prepare", "pass"), ("_direction", "delta"),
+                        ("apply", "apply"), ("restore", "restore"), ("_set_anchor", "anchor"),
+                        ("_score", "gate")):
+        clock.patch(ex, name, label)
+    clock.patch(ex.store, "anchor_run", "delta")
+    sketch_pass = getattr(sys.modules[library.__name__ + ".sketch"], "SketchPass", None)
+    if sketch_pass is not None:
+        clock.patch(sketch_pass, "add", "sketch")
+    else:
+        clock.patch(ex.secant, "measure", "sketch")
+
+
+def bench_search(device, args) -> dict[str, Any]:
+    """One search with a free gate that refuses its first candidate (backup, Δ, sketch, one
+    candidate, restore, new anchor), part by part, on a model with SmolLM2-135M's shapes
+    (``--quick``: a small one), next to a bare AdamW step in the same round; for this
+    checkout and, with ``--baseline``, an older copy of the library."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        raise SystemExit("section 'search' builds a LlamaForCausalLM: pip install transformers") from None
+    import lookahead_opd
+
+    torch.manual_seed(args.seed)
+    shape = QUICK_LLAMA if args.quick else SMOLLM2_135M
+    model = LlamaForCausalLM(LlamaConfig(**shape)).to(device)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for _, p in named)
+    base = torch.optim.AdamW([p for _, p in named], lr=1e-5)
+    drift = [torch.randn_like(p) for _, p in named]
+    g = torch.Generator().manual_seed(args.seed)
+
+    def new_gradients() -> None:
+        """A fixed drift plus fresh noise, so successive secants are neither equal nor
+        unrelated (both versions' cosines are compared; the step's cost does not change)."""
+        for (_, p), d in zip(named, drift, strict=True):
+            p.grad = torch.randn(p.shape, generator=g).to(p.device).add_(d).mul_(1e-3)
+    libraries = {"after": lookahead_opd}
+    if args.baseline:
+        libraries = {"before": load_library(args.baseline), **libraries}
+    stores = {"full": {"snapshot": "full"},
+              f"lowrank_r{args.search_rank}": {"snapshot": "lowrank", "rank": args.search_rank}}
+    runs = {f"{v}/{s}": lib.Extrapolator(named, free_eval, schedule=NEVER, **kw)
+            for v, lib in libraries.items() for s, kw in stores.items()}
+    print(f"search section: {n_params:,} params, {list(runs)}", flush=True)
+
+    step_s: list[float] = []
+    raw: dict[str, dict[str, list[float]]] = {k: defaultdict(list) for k in runs}
+    cosines: dict[str, list[float | None]] = {k: [] for k in runs}
+    names = list(runs)
+    for r in range(-1, args.search_rounds):  # round -1 warms up, is not recorded
+        new_gradients()
+        t_step = timed(base.step, device)[0]  # also moves W_t off every anchor
+        checksum = sum(float(p.detach().double().sum()) for _, p in named)
+        for name in names if r % 2 == 0 else names[::-1]:
+            ex = runs[name]
+            clock = PartClock(device)
+            search_parts(clock, ex, libraries[name.split("/")[0]])
+            try:
+                t_total, record = timed(ex.search, device)
+            finally:
+                clock.unpatch()
+            assert record.accepted is None and record.n_evals == 2, record
+            if r < 0:
+                continue
+            parts = dict(clock.seconds)
+            gate = parts.pop("gate", 0.0)
+            parts["rest"] = t_total - gate - sum(parts.values())
+            for label, sec in parts.items():
+                raw[name][label].append(sec)
+            raw[name]["total"].append(t_total - gate)
+            raw[name]["gate"].append(gate)
+            cosines[name].append(record.secant_cosine)
+        now = sum(float(p.detach().double().sum()) for _, p in named)
+        assert now == checksum, "a refused search did not restore W_t"
+        if r >= 0:
+            step_s.append(t_step)
+            print(f"  round {r}: step {t_step:.3f} s, "
+                  + ", ".join(f"{k} {raw[k]['total'][-1]:.3f} s" for k in names), flush=True)
+
+    out: dict[str, Any] = {
+        "model": "LlamaForCausalLM with SmolLM2-135M's shapes, random init" if not args.quick
+        else "small LlamaForCausalLM (--quick)",
+        "shape": shape, "n_params": n_params, "rounds": args.search_rounds,
+        "opd_step_s": OPD_STEP_S, "issue_adamw_step_s": ISSUE_ADAMW_STEP_S, "step_s": step_s, "step": stats(step_s), "runs": {},
+    }
+    for name in names:
+        d = raw[name]
+        out["runs"][name] = {
+            "seconds": {k: v for k, v in d.items()},
+            "median_s": {k: stats(v)["median"] for k, v in d.items()},
+            "over_step": {k: stats(ratios(v, step_s))["median"] for k, v in d.items()},
+            "total_over_step": stats(ratios(d["total"], step_s)),
+            "total_over_opd_step": stats(ratios(d["total"], step_s))["median"]
+            * ISSUE_ADAMW_STEP_S / OPD_STEP_S,
+            "secant_cosine": cosines[name],
+            "anchor_bytes": runs[name].nbytes()["anchor"],
+            "reference_bytes": getattr(runs[name].store, "reference_nbytes", lambda: 0)(),
+        }
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -459,6 +675,79 @@ def fmt_ratio(s: dict[str, float]) -> str:
     if "ci_lo" in s:
         text += f", median 95% CI {s['ci_lo']:.3f}–{s['ci_hi']:.3f}"
     return text
+
+
+def _cell(run: dict[str, Any] | None, label: str) -> str:
+    if run is None:
+        return "—"
+    if label not in run["median_s"]:
+        return "in the pass" if label in ("backup", "apply") and "pass" in run["median_s"] else "—"
+    return f"{run['median_s'][label]:.3f} s ({run['over_step'][label]:.2f}×)"
+
+
+def render_search(d: dict[str, Any]) -> list[str]:
+    """Section 4: one table, the parts of a search as rows, before/after × full/low-rank as
+    columns (seconds, and × one bare AdamW step)."""
+    runs = d["runs"]
+    names = [k for k in ("before/full", "after/full") if k in runs] + sorted(
+        k for k in runs if "lowrank" in k)
+    names = sorted(names, key=lambda k: ("lowrank" in k, not k.startswith("before")))
+    shape = d["shape"]
+    out = [
+        f"## 4. One search on a {d['n_params'] / 1e6:.1f}M-parameter model, part by part",
+        "",
+        f"{d['model']}: {shape['num_hidden_layers']} layers, hidden {shape['hidden_size']}, "
+        f"intermediate {shape['intermediate_size']}, {shape['num_attention_heads']} heads "
+        f"({shape['num_key_value_heads']} kv), vocab {shape['vocab_size']}, tied embeddings; "
+        f"{d['n_params']:,} fp32 parameters. A free gate refuses the first candidate, so each "
+        "search is: score W_t, backup, Δ, sketch, one candidate, score it, restore, new anchor. "
+        f"Bare AdamW step (random gradients, `opt.step()` alone): median "
+        f"{d['step']['median']:.3f} s over {d['rounds']} rounds, each round timing the step and "
+        "every search once, in alternating order. Cells: median seconds (median of the per-round "
+        "ratios to that round's AdamW step). 'before' is the library at the commit given to "
+        "`--baseline`, 'after' this checkout; both run in the same process and rounds.",
+        "",
+    ]
+    headers = ["part of a search"] + [k.replace("lowrank_r", "low-rank r=") for k in names]
+    rows = [[text] + [_cell(runs[k], label) for k in names] for label, text in PARTS]
+    rows.append(["**total without the gate**"] + [
+        f"**{runs[k]['median_s']['total']:.3f} s ({runs[k]['total_over_step']['median']:.2f}×)**"
+        for k in names])
+    per_opd = d["opd_step_s"] / d["issue_adamw_step_s"]
+    rows.append([f"total / one OPD step (= {per_opd:.1f} AdamW steps)"] + [
+        f"{runs[k]['total_over_opd_step']:.3f}" for k in names])
+    rows.append(["gate: 2 calls of a free eval_fn"] + [
+        f"{runs[k]['median_s']['gate'] * 1e3:.2f} ms" for k in names])
+    rows.append(["anchor held between searches (+ CPU reference)"] + [
+        mib(runs[k]["anchor_bytes"]) + (f" (+ {mib(runs[k]['reference_bytes'])})"
+                                        if runs[k]["reference_bytes"] else "") for k in names])
+    return out + [markdown_table(headers, rows), ""]
+
+
+def search_lines(d: dict[str, Any]) -> list[str]:
+    runs = d["runs"]
+    ratio = {k: runs[k]["total_over_step"] for k in runs}
+    after = [k for k in runs if k.startswith("after/")]
+    before = [k for k in runs if k.startswith("before/")]
+
+    def say(keys: list[str]) -> str:
+        return ", ".join(f"{k.split('/')[1].replace('lowrank_r', 'low-rank r=')} "
+                         f"{ratio[k]['median']:.2f}× [{ratio[k]['p10']:.2f}–{ratio[k]['p90']:.2f}]"
+                         for k in keys)
+
+    line = (f"- **One search on the {d['n_params'] / 1e6:.0f}M model:** without the gate, a "
+            f"one-candidate search costs {say(after)} of a bare AdamW step (target ≤ 2×)")
+    if before:
+        line += f"; before: {say(before)}"
+    line += (f". As a share of one OPD step on this model (issue 27 measured {d['opd_step_s']:.0f} s, "
+             f"{d['opd_step_s'] / d['issue_adamw_step_s']:.1f}× its {d['issue_adamw_step_s']} s bare "
+             "AdamW step; not re-measured here): " + ", ".join(
+                 f"{k} {runs[k]['total_over_opd_step']:.1%}" for k in runs) + ".")
+    cos = {k: [c for c in runs[k]["secant_cosine"] if c is not None] for k in runs}
+    if all(cos.values()) and before:
+        line += (" The secant cosines the two versions report for the same searches: "
+                 + "; ".join(f"{k}: {', '.join(f'{c:.3f}' for c in cos[k])}" for k in runs) + ".")
+    return [line]
 
 
 def store_row(name: str, d: dict[str, Any], per_step: str, fmt: str) -> list[str]:
@@ -474,127 +763,141 @@ def store_row(name: str, d: dict[str, Any], per_step: str, fmt: str) -> list[str
 
 
 def render(res: dict[str, Any], args) -> str:
-    cfg, w, c, ms, syn = (
-        res["config"],
-        res["wrapper"],
-        res["candidate"],
-        res["model_snapshots"],
-        res["synthetic"],
-    )
+    cfg = res["config"]
+    w, c, ms, syn = (res.get(k) for k in ("wrapper", "candidate", "model_snapshots", "synthetic"))
     rank_names = [f"lowrank_r{r}" for r in args.ranks]
+    machine = res["machine"]
     out = [
-        f"# lookahead-opd overhead ({res['machine']['device']}, {cfg['n_params']:,} params)",
+        f"# lookahead-opd overhead ({machine['device']})",
         "",
-        f"Model: GPT decoder, {cfg['layers']} layers, d_model {cfg['d_model']}, vocab {cfg['vocab']}, "
-        f"seq {cfg['seq_len']}, batch {cfg['batch']}, {cfg['dtype']}, AdamW; "
-        f"torch {res['machine']['torch']}, {res['machine']['torch_threads']} threads, "
-        f"{res['machine'].get('gpu') or res['machine']['cpu_model']}. Runtime {res['runtime_s']:.0f} s. "
-        "Ratios are medians of per-pair (or per-round) ratios, [p10–p90].",
-        "",
-        f"## 1. Wrapper overhead on a non-search step ({w['pairs']} interleaved pairs; "
-        f"step alone: {w['step_pairs']} pairs)",
+        f"torch {machine['torch']}, {machine['torch_threads']} threads, "
+        f"{machine.get('gpu') or machine['cpu_model']}, load average at the start "
+        f"{', '.join(f'{x:.1f}' for x in machine.get('loadavg_at_start', []))}. Runtime "
+        f"{res['runtime_s']:.0f} s. Ratios are medians of per-pair (or per-round) ratios, "
+        "[p10–p90].",
         "",
     ]
-    rows = []
-    for label, key in (
-        ("fwd+bwd+step", "fwd_bwd_step"),
-        ("opt.step() inside that loop", "step_in_loop"),
-        ("opt.step() alone (same grads)", "step_alone"),
-    ):
-        d = w[key]
+    if cfg.get("n_params"):
+        out += [
+            f"Sections 1–3, model: GPT decoder, {cfg['n_params']:,} params, {cfg['layers']} layers, "
+            f"d_model {cfg['d_model']}, vocab {cfg['vocab']}, seq {cfg['seq_len']}, batch "
+            f"{cfg['batch']}, {cfg['dtype']}, AdamW.",
+            "",
+        ]
+    if w is not None:
+        out += [
+            f"## 1. Wrapper overhead on a non-search step ({w['pairs']} interleaved pairs; "
+            f"step alone: {w['step_pairs']} pairs)",
+            "",
+        ]
+        rows = []
+        for label, key in (
+            ("fwd+bwd+step", "fwd_bwd_step"),
+            ("opt.step() inside that loop", "step_in_loop"),
+            ("opt.step() alone (same grads)", "step_alone"),
+        ):
+            d = w[key]
+            rows.append(
+                [
+                    label,
+                    f"{d['bare']['median']:.4f}",
+                    f"{d['wrapped']['median']:.4f}",
+                    fmt_ratio(d["ratio"]),
+                ]
+            )
         rows.append(
             [
-                label,
-                f"{d['bare']['median']:.4f}",
-                f"{d['wrapped']['median']:.4f}",
-                fmt_ratio(d["ratio"]),
+                "extrapolator.after_step() alone",
+                "—",
+                f"{w['after_step_s'] * 1e6:.2f} µs",
+                f"{w['after_step_fraction_of_step']:.2e} of a step",
             ]
         )
-    rows.append(
-        [
-            "extrapolator.after_step() alone",
-            "—",
-            f"{w['after_step_s'] * 1e6:.2f} µs",
-            f"{w['after_step_fraction_of_step']:.2e} of a step",
+        out += [
+            markdown_table(["measure", "bare AdamW (s)", "wrapped (s)", "wrapped / bare"], rows),
+            "",
         ]
-    )
-    out += [
-        markdown_table(["measure", "bare AdamW (s)", "wrapped (s)", "wrapped / bare"], rows),
-        "",
-    ]
 
-    out += [
-        f"## 2. One candidate and one search vs one optimizer step "
-        f"(fwd+bwd+step median {c['step']['median']:.3f} s, {c['rounds']} rounds)",
-        "",
-    ]
-    rows = []
-    for name in [k for k in c if k.startswith(("full", "lowrank"))] + ["floor"]:
-        d = c[name]
-        label = {"full": "full"}.get(name, name.replace("lowrank_r", "lowrank r="))
-        if name == "floor":
-            label = "floor: fused in-place lerp + copy (not library code)"
-        row = [
-            label,
-            f"{d['apply']['median']:.4f}",
-            f"{d['restore']['median']:.4f}",
-            fmt_ratio(d["candidate_over_step"]),
-            fmt_ratio(d["search_over_step"]) if "search" in d else "—",
+    if c is not None:
+        out += [
+            f"## 2. One candidate and one search vs one optimizer step "
+            f"(fwd+bwd+step median {c['step']['median']:.3f} s, {c['rounds']} rounds)",
+            "",
         ]
+        rows = []
+        for name in [k for k in c if k.startswith(("full", "lowrank"))] + ["floor"]:
+            d = c[name]
+            label = {"full": "full"}.get(name, name.replace("lowrank_r", "lowrank r="))
+            if name == "floor":
+                label = "floor: fused in-place lerp + copy (not library code)"
+            row = [
+                label,
+                f"{d['apply']['median']:.4f}",
+                f"{d['restore']['median']:.4f}",
+                fmt_ratio(d["candidate_over_step"]),
+                fmt_ratio(d["search_over_step"]) if "search" in d else "—",
+            ]
+            if res["machine"]["device"].startswith("cuda"):
+                peak = d.get("search_peak_extra_bytes")
+                row.append(mib(max(peak)) if peak else "—")
+            rows.append(row)
+        headers = ["snapshot", "apply (s)", "restore (s)", "candidate / step", "search(1 cand.) / step"]
         if res["machine"]["device"].startswith("cuda"):
-            peak = d.get("search_peak_extra_bytes")
-            row.append(mib(max(peak)) if peak else "—")
-        rows.append(row)
-    headers = ["snapshot", "apply (s)", "restore (s)", "candidate / step", "search(1 cand.) / step"]
-    if res["machine"]["device"].startswith("cuda"):
-        headers.append("search peak extra GPU mem")
-    out += [markdown_table(headers, rows), ""]
+            headers.append("search peak extra GPU mem")
+        out += [markdown_table(headers, rows), ""]
 
-    out += [
-        f"## 3a. Anchor store on the model ({ms['n_params']:,} params; captures after steps "
-        f"{ms['capture_steps']} of real training, step median {ms['step']['median']:.3f} s)",
-        "",
-    ]
-    rows = [
-        store_row(name, ms[name], "capture_over_step", "{:.3f}")
-        + [
-            f"{ms[name]['rel_error']:.3f}",
-            f"{ms[name]['best_rank_r_error']:.3f}" if "best_rank_r_error" in ms[name] else "0",
-            f"{ms[name]['direction_error']:.3f}",
+    if ms is not None:
+        out += [
+            f"## 3a. Anchor store on the model ({ms['n_params']:,} params; captures after steps "
+            f"{ms['capture_steps']} of real training, step median {ms['step']['median']:.3f} s)",
+            "",
         ]
-        for name in ["full"] + rank_names
-    ]
-    headers = [
-        "store",
-        "anchor",
-        "/ full",
-        "CPU reference",
-        "capture (s)",
-        "capture / step",
-        "anchor rel. error",
-        "best rank-r error",
-        "Δ rel. error (last search)",
-    ]
-    out += [markdown_table(headers, rows), ""]
+        rows = [
+            store_row(name, ms[name], "capture_over_step", "{:.3f}")
+            + [
+                f"{ms[name]['rel_error']:.3f}",
+                f"{ms[name]['best_rank_r_error']:.3f}" if "best_rank_r_error" in ms[name] else "0",
+                f"{ms[name]['direction_error']:.3f}",
+            ]
+            for name in ["full"] + rank_names
+        ]
+        headers = [
+            "store",
+            "anchor",
+            "/ full",
+            "CPU reference",
+            "capture (s)",
+            "capture / step",
+            "anchor rel. error",
+            "best rank-r error",
+            "Δ rel. error (last search)",
+        ]
+        out += [markdown_table(headers, rows), ""]
 
-    size = args.synthetic_size
-    out += [
-        f"## 3b. Synthetic: {args.synthetic_matrices}× {size}×{size} + {args.synthetic_vectors}× "
-        f"{size} fp32 ({syn['n_elements']:,} elements; AdamW step on them "
-        f"{syn['adamw_step']['median']:.4f} s)",
-        "",
-    ]
-    rows = [
-        store_row(name, syn[name], "capture_over_adamw_step", "{:.2f}")
-        for name in ["full"] + rank_names
-    ]
-    headers = ["store", "anchor", "/ full", "CPU reference", "capture (s)", "capture / AdamW step"]
-    out += [markdown_table(headers, rows), ""]
+    if syn is not None:
+        size = args.synthetic_size
+        out += [
+            f"## 3b. Synthetic: {args.synthetic_matrices}× {size}×{size} + {args.synthetic_vectors}× "
+            f"{size} fp32 ({syn['n_elements']:,} elements; AdamW step on them "
+            f"{syn['adamw_step']['median']:.4f} s)",
+            "",
+        ]
+        rows = [
+            store_row(name, syn[name], "capture_over_adamw_step", "{:.2f}")
+            for name in ["full"] + rank_names
+        ]
+        headers = ["store", "anchor", "/ full", "CPU reference", "capture (s)", "capture / AdamW step"]
+        out += [markdown_table(headers, rows), ""]
+    if "search" in res:
+        out += render_search(res["search"])
     return "\n".join(out)
 
 
 def summary_lines(res: dict[str, Any], args) -> list[str]:
-    w, c, ms, syn = res["wrapper"], res["candidate"], res["model_snapshots"], res["synthetic"]
+    w, c, ms, syn = (res.get(k) for k in ("wrapper", "candidate", "model_snapshots", "synthetic"))
+    lines = [] if "search" not in res else search_lines(res["search"])
+    if w is None or c is None or ms is None or syn is None:
+        return lines
     r = args.candidate_rank
     lr = f"lowrank_r{r}"
     s16 = "lowrank_r16" if 16 in args.ranks else f"lowrank_r{args.ranks[-1]}"
@@ -605,7 +908,7 @@ def summary_lines(res: dict[str, Any], args) -> list[str]:
         f"Δ {ms[f'lowrank_r{k}']['direction_error']:.2f})"
         for k in args.ranks
     )
-    return [
+    return lines + [
         f"- **Non-search steps:** the wrapped step takes {fb['median']:.3f}× the bare AdamW step "
         f"(95% CI of the median {fb['ci_lo']:.3f}–{fb['ci_hi']:.3f}, p10–p90 {fb['p10']:.3f}–"
         f"{fb['p90']:.3f}; target ≤ 1.02×); `opt.step()` alone {sa['median']:.3f}× (CI "
@@ -645,44 +948,48 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
 
-    model = TinyGPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
-    model = model.to(device=device, dtype=dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"model: {n_params:,} parameters ({args.layers} layers, d_model {args.d_model}), "
-        f"device {device}, {torch.get_num_threads()} threads",
-        flush=True,
-    )
-    batches = markov_batches(8, args.batch, args.seq_len, args.vocab, seed=args.seed, device=device)
-    base = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model = base = batches = None
+    n_params = 0
+    if set(args.sections) & set(SECTIONS[:4]):
+        model = TinyGPT(args.vocab, args.d_model, args.layers, args.heads, args.seq_len)
+        model = model.to(device=device, dtype=dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"model: {n_params:,} parameters ({args.layers} layers, d_model {args.d_model}), "
+            f"device {device}, {torch.get_num_threads()} threads",
+            flush=True,
+        )
+        batches = markov_batches(8, args.batch, args.seq_len, args.vocab, seed=args.seed,
+                                 device=device)
+        base = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     res: dict[str, Any] = {
         "machine": machine_info(device),
         "config": {**{k: v for k, v in vars(args).items()}, "n_params": n_params},
     }
-    sections = (
-        (
-            "wrapper",
-            "1. wrapper overhead",
-            lambda: bench_wrapper(model, base, batches, device, args),
-        ),
-        (
-            "candidate",
-            "2. candidate cost",
-            lambda: bench_candidate(model, base, batches, device, args),
-        ),
-        (
-            "model_snapshots",
-            "3a. model snapshots",
-            lambda: bench_model_snapshots(model, base, batches, device, args),
-        ),
-        ("synthetic", "3b. synthetic snapshots", lambda: bench_synthetic(device, args)),
-    )
-    for key, title, fn in sections:
+    sections = {
+        "wrapper": ("1. wrapper overhead", lambda: bench_wrapper(model, base, batches, device, args)),
+        "candidate": ("2. candidate cost",
+                      lambda: bench_candidate(model, base, batches, device, args)),
+        "model_snapshots": ("3a. model snapshots",
+                            lambda: bench_model_snapshots(model, base, batches, device, args)),
+        "synthetic": ("3b. synthetic snapshots", lambda: bench_synthetic(device, args)),
+        "search": ("4. one search, part by part", lambda: bench_search(device, args)),
+    }
+    for key, (title, fn) in sections.items():
+        if key not in args.sections:
+            continue
+        if key == "search":  # the 135M model needs the memory: let the GPT go first
+            del model, base, batches
+            sections.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         t0 = time.perf_counter()
         res[key] = fn()
         res[key]["section_s"] = time.perf_counter() - t0
         print(f"{title}: {res[key]['section_s']:.1f} s", flush=True)
+        if key == "search":
+            break
     if device.type == "cuda":
         res["cuda_max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
     res["runtime_s"] = time.perf_counter() - t_start
@@ -701,7 +1008,10 @@ def main() -> None:
                 "",
                 *lines,
                 "",
-                f"Reproduce: `{command}` (repo root; {res['runtime_s']:.0f} s here).",
+                f"Reproduce: `{command}` (repo root; {res['runtime_s']:.0f} s here)"
+                + (f", with the 'before' library extracted first: `git archive "
+                   f"{BASELINE_COMMIT} src/lookahead_opd | tar -x -C /tmp/before`"
+                   if args.baseline else "") + ".",
             ]
         )
         paths = write_results(args.output_dir, "overhead" + args.suffix, res, md)

@@ -13,6 +13,7 @@ pytest.importorskip("matplotlib")
 
 from benchmarks import (  # noqa: E402
     geometry,
+    lr_basin,
     patience,
     regimes,
     scale,
@@ -35,6 +36,7 @@ REPORTS = [
     (scale, "", "scale-h200-seed0", ["--stem", "scale-h200-seed0"]),
     (scale, "", "scale-h200-seed1", ["--stem", "scale-h200-seed1"]),
     (teacher_ranking, "", "teacher_ranking", []),
+    (lr_basin, "", "lr_basin", []),
 ]
 
 

@@ -110,6 +110,28 @@ def test_partial_acceptance_keeps_the_best_candidate_exactly():
     assert torch.equal(model.weight, torch.lerp(w0, w0.sub(model.weight.grad, alpha=0.1), 3.0))
 
 
+@pytest.mark.parametrize("snapshot", ["full", "lowrank"])
+def test_the_kept_candidate_is_the_one_scored_bit_for_bit(snapshot):
+    """The first candidate is written by the search's pass (runs cut at the sketch's blocks),
+    a kept one is re-written by ``apply`` (other runs) after a refused larger one: the weights
+    left in place are the bits the gate scored."""
+    model = torch.nn.Linear(600, 300)
+    seen = []
+
+    def gate() -> float:
+        seen.append(model.weight.detach().clone())
+        return [0.0, 1.0, 0.5][len(seen) - 1]  # keep c=1, refuse c=2
+
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=gate,
+                                 schedule=[2], snapshot=snapshot, rank=2 if snapshot == "lowrank" else None)
+    for _ in range(2):
+        model(torch.randn(4, 600)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.history[0].accepted == 1.0 and opt.history[0].coefficients == [1.0, 2.0]
+    assert torch.equal(model.weight.detach(), seen[1]) and not torch.equal(seen[1], seen[2])
+
+
 def test_eval_fn_that_raises_restores_weights_and_reraises():
     model = make_mlp(0)
     calls = {"n": 0}
@@ -657,3 +679,35 @@ def test_direction_rank_jumps_along_the_top_singular_subspace() -> None:
     assert torch.linalg.matrix_rank(w.detach() - w1) == 2
     with pytest.raises(ValueError, match="direction_rank"):
         ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), lambda: 0.0, direction_rank=0)
+
+
+def test_an_error_inside_the_search_pass_puts_w_t_back():
+    """The pass writes the first candidate as it goes: if it fails half way (here the anchor
+    store, on the second tensor), the tensors already written come back to W_t exactly."""
+    model = make_mlp(0)
+    scored = []
+
+    def gate() -> float:
+        scored.append([p.detach().clone() for p in model.parameters()])
+        return 0.0
+
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=gate,
+                                 schedule=[2])
+    data = batches(1, 2)
+    train(model, opt, data, stop=1)
+    store, calls = opt.extrapolator.store, []
+    real = store.anchor_run
+
+    def failing(index, start, stop, device):
+        calls.append(index)
+        if index == 1:
+            raise RuntimeError("store failed")
+        return real(index, start, stop, device)
+
+    store.anchor_run = failing
+    with pytest.raises(RuntimeError, match="store failed"):
+        train(model, opt, data, start=1)
+    assert calls[0] == 0 and calls[-1] == 1  # the first tensor was written, then it failed
+    (w_t,) = scored  # the search scored W_t, then failed in its pass
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), w_t, strict=True))
+    assert opt.extrapolator.history == []  # no search recorded

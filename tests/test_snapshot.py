@@ -190,3 +190,36 @@ def test_log_geometry_records_the_direction_metrics():
     # one SGD step on a linear layer with a batch of 4 has rank ≤ 4
     assert 1.0 <= geo["effective_rank"] <= 4.0 + 1e-6
     assert geo["fro_norm_total"] == pytest.approx(opt.history[0].direction_norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("store", [FullSnapshot(), LowRankSnapshot(3)], ids=["full", "lowrank"])
+def test_anchor_runs_are_the_anchor_whatever_the_split(store):
+    """A search reads the anchor run by run: any split gives the anchor's bits (the low-rank
+    store rebuilds fixed groups of rows, so its values do not depend on the split)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(700, 300), (300,), (40, 5, 7)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    store.add([f"t{i}" for i in range(3)], tensors)
+    for i, t in enumerate(tensors):
+        store.capture(i, t + 0.1 * torch.randn(t.shape, generator=g))
+    for i, t in enumerate(tensors):
+        whole = store.anchor(i, t.device).reshape(-1)
+        for step in (t.numel(), 65_536, 6_801, 1_000, 299):
+            runs = [store.anchor_run(i, a, min(a + step, t.numel()), t.device).float()
+                    for a in range(0, t.numel(), step)]
+            assert torch.equal(torch.cat(runs), whole), (i, step)
+
+
+def test_a_refused_search_hands_the_backup_to_the_full_store():
+    """After a refused search the anchor is W_t, held in the backup tensor itself (no copy)."""
+    w = torch.nn.Parameter(torch.randn(50, 40))
+    opt = ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), eval_fn=lambda: 0.0)
+    w.grad = torch.randn(50, 40)
+    opt.step()  # step 1: a search, refused
+    store = opt.extrapolator.store
+    assert torch.equal(store.anchor(0, w.device), w.detach())
+    assert store._anchors[0].data_ptr() != w.data_ptr()  # a copy of the weights, not them
+    before = store._anchors[0]
+    w.grad = torch.randn(50, 40)
+    opt.step()  # step 2: refused again; its backup becomes the anchor
+    assert store._anchors[0] is not before and torch.equal(store.anchor(0, w.device), w.detach())

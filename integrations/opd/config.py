@@ -56,6 +56,22 @@ class OPDConfig(EffOPDOptions):
     # models and data
     student: str = option("", "student: a Hugging Face causal LM id or local directory")
     teacher: str = option("", "teacher: a Hugging Face causal LM id or local directory")
+    teacher_url: list[str] = option([], "the teacher behind vLLM's OpenAI-compatible server "
+                                    "(`vllm serve`), instead of --teacher: one URL, or several "
+                                    "serving the same model (least-in-flight balancing)")
+    teachers: list[str] = option([], "several teachers, name=URL_or_path each (a URL list "
+                                 "comma-separated); --teacher_key picks each problem's")
+    teacher_key: str | None = option(None, "with --teachers: the task field naming each "
+                                     "problem's teacher")
+    default_teacher: str | None = option(None, "with --teachers: the teacher of problems whose "
+                                         "key is missing or unknown (None: such a problem is "
+                                         "an error before step 0)")
+    teacher_max_inflight: int = option(16, "served teachers: requests in flight at once, per "
+                                       "process (each torchrun rank has its own)", minimum=1)
+    teacher_timeout: float = option(600.0, "served teachers: seconds one request may take")
+    teacher_retries: int = option(5, "served teachers: tries after a connection error, timeout, "
+                                  "HTTP 429 or 5xx (backoff 0.5 s, doubling); a 4xx is not "
+                                  "retried", minimum=0)
     task: str = option(
         "arithmetic",
         "task spec: arithmetic[:key=value,...], longadd[:digits=4], gsm8k:path=FILE|name=HUB_ID, "
@@ -78,6 +94,12 @@ class OPDConfig(EffOPDOptions):
                        "reward, group-mean baseline; needs num_samples >= 2)", choices=tuple(LOSSES))
     jsd_beta: float = option(0.5, "jsd loss: 0 = forward KL, 1 = reverse KL (TRL convention)")
     discount: float = option(0.0, "reverse_kl_pg: discount of later tokens' advantages")
+    loss_chunk_size: int | None = option(
+        None, "completion tokens per lm_head projection in the loss (from the final hidden "
+        "states, recomputed in the backward: the full-vocabulary losses, the sampled tokens' "
+        "log-probs and the -KL gate never hold tokens x vocab logits); 0: dense logits; "
+        "default: 128 when a micro-batch's largest completion (rows x max_new_tokens) x vocab "
+        "reaches 2^26 logits, dense below")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1)
     # optimizer
     optimizer: str = option("adamw", "base optimizer: adamw, adam, sgd, prodigy, mechanic:<name> "
@@ -147,6 +169,8 @@ class OPDConfig(EffOPDOptions):
 
         optimizer_factory(self.optimizer)  # imports it: a bad name fails here, before any model
         optimizer_kwargs(self.optimizer_kwargs)
+        if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size must be >= 0 (0: dense), got {self.loss_chunk_size}")
         if self.loss == "drgrpo" and self.num_samples < 2:
             raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
         for name in self.report_to_list():
@@ -169,14 +193,78 @@ class OPDConfig(EffOPDOptions):
                 f"by gradient_accumulation_steps ({self.gradient_accumulation_steps})"
             )
         check_device(self.device)
+        self._check_teachers()
         from .tasks import load_task
 
         load_task(self.task)  # unknown tasks and bad options fail here, before any model
         if check_paths:
             check_output_dir(self.output_dir)
             self._check_earlier_run()
-            for role in ("student", "teacher"):
-                check_model_ref(role, getattr(self, role))
+            check_model_ref("student", self.student)
+            for name, ref in self.teacher_refs().items():
+                if not isinstance(ref, list):
+                    check_model_ref("teacher" if name is None else f"teacher {name}", ref)
+
+    def teacher_refs(self) -> dict[str | None, str | list[str]]:
+        """Every teacher by name (``None``: the run's only teacher): a model reference
+        (Hub id or directory, run in process) or a list of server URLs."""
+        if self.teachers:
+            refs: dict[str | None, str | list[str]] = {}
+            for entry in self.teachers:
+                name, sep, ref = entry.partition("=")
+                if not sep or not name.strip() or not ref.strip():
+                    raise ValueError(f"--teachers entries are name=URL_or_path, got {entry!r}")
+                if name.strip() in refs:
+                    raise ValueError(f"--teachers names {name.strip()!r} twice")
+                urls = [u.strip() for u in ref.split(",")]
+                refs[name.strip()] = urls if urls[0].startswith(("http://", "https://")) else ref
+            return refs
+        return {None: list(self.teacher_url) if self.teacher_url else self.teacher}
+
+    def served_teacher(self) -> bool:
+        """Whether any teacher is behind a server (so only sampled-token scores exist)."""
+        return any(isinstance(r, list) for r in self.teacher_refs().values())
+
+    def _check_teachers(self) -> None:
+        """One way to name the teacher(s), and what a served one cannot do, in one line each."""
+        from .served import check_url
+
+        given = [flag for flag, v in (("--teacher", self.teacher), ("--teacher_url",
+                 self.teacher_url), ("--teachers", self.teachers)) if v]
+        if len(given) > 1:
+            raise ValueError(f"give one of --teacher, --teacher_url, --teachers; got "
+                             f"{' and '.join(given)}")
+        if self.teachers and not self.teacher_key:
+            raise ValueError("--teachers needs --teacher_key FIELD (the task field naming each "
+                             "problem's teacher)")
+        if not self.teachers and (self.teacher_key or self.default_teacher):
+            raise ValueError("--teacher_key and --default_teacher go with --teachers")
+        refs = self.teacher_refs()
+        if self.default_teacher is not None and self.default_teacher not in refs:
+            raise ValueError(f"default_teacher {self.default_teacher!r} is not one of --teachers "
+                             f"({', '.join(map(str, refs))})")
+        for ref in refs.values():
+            for url in ref if isinstance(ref, list) else ():
+                check_url(url)
+        if self.teacher_timeout <= 0:
+            raise ValueError(f"teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
+        if not (self.served_teacher() or self.teachers):
+            return
+        from .losses import teacher_needs
+
+        # A server sends log-probs, not logits; several teachers' logits are not combined
+        # (integrations/opd/routing.py).
+        which = "a served teacher" if self.served_teacher() else "--teachers"
+        if teacher_needs(self.loss).level == "full":
+            raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which "
+                             f"{which} does not give; use --loss reverse_kl_pg (the sampled "
+                             f"tokens' log-probs) or one in-process --teacher")
+        if self.extrapolate and self.gate == "neg_kl":
+            raise ValueError(f"gate=neg_kl needs the teacher's full distribution, which {which} "
+                             f"does not give; use --gate accuracy (or one in-process --teacher)")
+        if self.fsdp and self.fsdp_teacher == "shard":
+            raise ValueError("fsdp_teacher=shard shards an in-process teacher; a served teacher "
+                             "has none to shard")
 
     def _check_earlier_run(self) -> None:
         """Refuse to overwrite an earlier run by accident (as the HF Trainer's scripts do)."""

@@ -11,18 +11,26 @@ Conventions (shared by every loss here):
   the whole gradient-accumulation window as ``num_tokens`` so that micro-batch losses (and their
   gradients) add up to a per-token mean; ``None`` uses this batch's mask sum.
 - Math is done in fp32 (or fp64 when given fp64); teacher quantities never carry gradient.
+- No loss assumes (tokens × vocab) tensors: the full-vocabulary losses take dense logits or
+  ``NextTokenLogits`` (final hidden states + the output head, projected a chunk of completion
+  rows at a time), and each loss declares what it reads from the teacher (``LossInputs.teacher``,
+  a ``TeacherNeeds``).
 
 Pure torch: this module must not import transformers (vocab checks use duck typing).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .logits import NextTokenLogits, compute_dtype, sum_row_chunks, token_logprobs
+from .teacher import TeacherNeeds, TeacherScores
 
 __all__ = [
     "LOSSES",
@@ -39,12 +47,10 @@ __all__ = [
     "reverse_kl_loss",
     "reverse_kl_pg_loss",
     "shift_for_next_token",
+    "teacher_needs",
     "token_logprobs",
 ]
 
-# Rows of a no-grad logprob computation are processed in chunks of about this many logits, so a
-# bf16 teacher never needs a full fp32 copy of its [B, T, V] logits.
-_CHUNK_ELEMENTS = 1 << 25
 # Stand-in for log(0) inside KL sums: keeps 0·log 0 = 0 and gradients finite when logits hold -inf.
 _LOG_FLOOR = -1e4
 
@@ -68,11 +74,6 @@ class LossOutput:
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half/bf16/fp32 inputs, fp64 for fp64 inputs (so gradcheck works)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _check_mask(
@@ -122,48 +123,60 @@ def _check_temperature(temperature: float) -> None:
         raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
 
 
-def _check_logit_pair(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> None:
-    for name, t in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a [B, T, V] tensor, got {shape}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got dtype {t.dtype}")
-    if student_logits.shape[:2] != teacher_logits.shape[:2]:
+Logits = torch.Tensor | NextTokenLogits  # dense [B, T, V], or hidden states + head
+
+
+def _as_logits(name: str, x: Logits) -> NextTokenLogits:
+    states = x.states if isinstance(x, NextTokenLogits) else x
+    if not isinstance(states, torch.Tensor) or states.dim() != 3:
+        shape = tuple(states.shape) if isinstance(states, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a [B, T, V] tensor or NextTokenLogits, got {shape}")
+    if not states.is_floating_point():
+        raise TypeError(f"{name} must be floating point, got dtype {states.dtype}")
+    return x if isinstance(x, NextTokenLogits) else NextTokenLogits(x)
+
+
+def _check_logit_pair(student_logits: Logits, teacher_logits: Logits
+                      ) -> tuple[NextTokenLogits, NextTokenLogits]:
+    s, t = _as_logits("student_logits", student_logits), _as_logits("teacher_logits", teacher_logits)
+    if s.states.shape[:2] != t.states.shape[:2]:
         raise ValueError(
-            f"student_logits {tuple(student_logits.shape)} and teacher_logits "
-            f"{tuple(teacher_logits.shape)} must share [B, T]"
+            f"student_logits {tuple(s.states.shape)} and teacher_logits "
+            f"{tuple(t.states.shape)} must share [B, T]"
         )
-    if student_logits.shape[-1] != teacher_logits.shape[-1]:
+    if s.vocab_size != t.vocab_size:
         raise ValueError(
-            f"vocab sizes differ: student_logits has V={student_logits.shape[-1]}, "
-            f"teacher_logits has V={teacher_logits.shape[-1]}; check the tokenizers with "
+            f"vocab sizes differ: student_logits has V={s.vocab_size}, "
+            f"teacher_logits has V={t.vocab_size}; check the tokenizers with "
             "check_vocab_compatible() and slice both with align_vocab(logits, vocab_size)"
         )
+    return s, t
 
 
-def _masked_rows(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    x = logits.to(compute_dtype(logits.dtype))
+    if temperature != 1.0:
+        x = x / temperature
+    return torch.log_softmax(x, dim=-1)
+
+
+def _row_sums(
+    kernel: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    student: NextTokenLogits,
+    teacher: NextTokenLogits,
     mask: torch.Tensor,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the masked rows only ([N, V], compute dtype); the teacher's are detached.
+) -> tuple[torch.Tensor, ...]:
+    """``kernel(student_logprobs, teacher_logprobs)`` (each a tuple of sums over rows) summed
+    over the masked rows, taken ``student.chunk_size`` rows at a time (``sum_row_chunks``).
 
     Selecting rows first skips prompt/padding compute and makes masked positions unable to leak
-    NaN/inf into the loss or the gradient.
+    NaN/inf into the loss or the gradient. The teacher's log-probs carry no gradient.
     """
-    dtype = _compute_dtype(student_logits.dtype)
-    s = student_logits[mask].to(dtype)
-    with torch.no_grad():
-        t = teacher_logits.detach()[mask].to(dtype)
-        if temperature != 1.0:
-            t = t / temperature
-        lt = torch.log_softmax(t, dim=-1)
-    if temperature != 1.0:
-        s = s / temperature
-    ls = torch.log_softmax(s, dim=-1)
-    return ls, lt
+    def rows(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return kernel(_log_probs(s, temperature), _log_probs(t, temperature))
+
+    return sum_row_chunks(rows, [student, teacher], mask)
 
 
 def _floor_log(lp: torch.Tensor) -> torch.Tensor:
@@ -210,45 +223,6 @@ def shift_for_next_token(
     if input_ids.shape[1] < 2:
         raise ValueError(f"need at least 2 positions to shift, got T={input_ids.shape[1]}")
     return logits[:, :-1], input_ids[:, 1:], completion_mask[:, 1:]
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[..., tokens]`` in fp32 (fp64 if given fp64), shape ``tokens.shape``.
-
-    Computed as ``logit[token] − logsumexp(logits)`` so no full log-softmax is materialised: with
-    grad, at most one fp32 copy of the logits exists (none if they are already fp32); without grad
-    (e.g. the teacher) rows are processed in chunks and no full fp32 copy is ever made.
-    """
-    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating-point tensor [..., V], got {logits!r:.80}")
-    if not isinstance(tokens, torch.Tensor) or tokens.dtype not in _INT_DTYPES:
-        dtype = tokens.dtype if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-        raise TypeError(f"tokens must be an integer tensor, got {dtype}")
-    if tokens.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"tokens {tuple(tokens.shape)} must match logits {tuple(logits.shape)} without the "
-            "vocab dim (aligned: logits at position t score tokens[t]; see shift_for_next_token)"
-        )
-    dtype = _compute_dtype(logits.dtype)
-    index = tokens.long().unsqueeze(-1)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        x = logits.to(dtype)
-        return x.gather(-1, index).squeeze(-1) - torch.logsumexp(x, dim=-1)
-
-    with torch.no_grad():
-        vocab = logits.shape[-1]
-        # [B, T, V] views such as logits[:, :-1] are not flattenable without a copy, but each
-        # row logits[b] is: iterate over rows, then chunk within a row.
-        rows = logits.detach().reshape(1, -1, vocab) if logits.dim() != 3 else logits.detach()
-        row_idx = index.reshape(rows.shape[0], rows.shape[1], 1)
-        out = torch.empty(rows.shape[:2], dtype=dtype, device=logits.device)
-        step = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
-        for b in range(rows.shape[0]):
-            for start in range(0, rows.shape[1], step):
-                chunk = rows[b, start : start + step].to(dtype)
-                sel = chunk.gather(-1, row_idx[b, start : start + step]).squeeze(-1)
-                out[b, start : start + step] = sel - torch.logsumexp(chunk, dim=-1)
-        return out.reshape(tokens.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +316,7 @@ def reverse_kl_pg_loss(
     bounds = _clip_bounds(clip_ratio)
     denom = _resolve_num_tokens(num_tokens, mask)
 
-    dtype = _compute_dtype(student_logprobs.dtype)
+    dtype = compute_dtype(student_logprobs.dtype)
     zero = torch.zeros((), dtype=dtype, device=student_logprobs.device)
     # Masked positions may hold anything (even inf/nan): sanitise before any arithmetic.
     lp = torch.where(mask, student_logprobs.to(dtype), zero)
@@ -409,7 +383,7 @@ def policy_gradient_loss(
         raise ValueError(f"advantages must be [B]={tuple(student_logprobs.shape[:1])}, "
                          f"got {tuple(advantages.shape)}")
     denom = _resolve_num_tokens(num_tokens, mask)
-    dtype = _compute_dtype(student_logprobs.dtype)
+    dtype = compute_dtype(student_logprobs.dtype)
     zero = torch.zeros((), dtype=dtype, device=student_logprobs.device)
     lp = torch.where(mask, student_logprobs.to(dtype), zero)
     adv = advantages.detach().to(dtype)[:, None].expand_as(lp)
@@ -422,8 +396,8 @@ def policy_gradient_loss(
 
 
 def reverse_kl_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    student_logits: Logits,
+    teacher_logits: Logits,
     completion_mask: torch.Tensor,
     *,
     num_tokens: NumTokens = None,
@@ -434,28 +408,38 @@ def reverse_kl_loss(
     The analytic counterpart of :func:`reverse_kl_pg_loss` (no sampling variance, needs both
     models' full logits). Gradient flows through the student only. Metrics: ``reverse_kl``
     (mean per token), ``student_entropy``, ``num_tokens``.
+
+    Each side is dense logits ``[B, T, V]`` or ``NextTokenLogits``: given hidden states and a
+    head, the completion rows are projected ``chunk_size`` at a time under activation
+    checkpointing (``map_row_chunks``), the same loss without a (tokens × vocab) tensor.
     """
-    _check_logit_pair(student_logits, teacher_logits)
-    mask = _check_mask(completion_mask, student_logits.shape[:2])
+    student, teacher = _check_logit_pair(student_logits, teacher_logits)
+    mask = _check_mask(completion_mask, student.states.shape[:2])
     _check_temperature(temperature)
     denom = _resolve_num_tokens(num_tokens, mask)
 
-    ls, lt = _masked_rows(student_logits, teacher_logits, mask, temperature)
-    per_token = _kl_rows(ls, lt)
-    loss = per_token.sum() / denom
+    kl_sum, entropy_sum = _row_sums(_reverse_kl_sums, student, teacher, mask, temperature)
+    loss = kl_sum / denom
     with torch.no_grad():
         n_local = mask.sum()
         n = n_local.clamp(min=1)
-        entropy = -(ls.exp() * _floor_log(ls)).sum(dim=-1)
         metrics = _metrics(
-            reverse_kl=per_token.sum() / n, student_entropy=entropy.sum() / n, num_tokens=n_local
+            reverse_kl=kl_sum / n, student_entropy=entropy_sum / n, num_tokens=n_local
         )
     return LossOutput(loss=loss, metrics=metrics)
 
 
+def _reverse_kl_sums(ls: torch.Tensor, lt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ rows of KL(student ‖ teacher) (with grad) and of the student's entropy."""
+    per_token = _kl_rows(ls, lt)
+    with torch.no_grad():
+        entropy = -(ls.exp() * _floor_log(ls)).sum(dim=-1)
+    return per_token.sum(), entropy.sum()
+
+
 def generalized_jsd_loss(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
+    student_logits: Logits,
+    teacher_logits: Logits,
     completion_mask: torch.Tensor,
     *,
     beta: float = 0.5,
@@ -468,17 +452,30 @@ def generalized_jsd_loss(
     otherwise ``beta·KL(teacher ‖ m) + (1−beta)·KL(student ‖ m)`` with
     ``m = beta·p_teacher + (1−beta)·p_student``. As in TRL the endpoints are special-cased (the
     mixture form itself tends to 0 at both ends). Gradient flows through the student only.
+    Logits as in :func:`reverse_kl_loss` (dense or chunked).
     """
     if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 <= beta <= 1.0:
         raise ValueError(
             f"beta must be a float in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}"
         )
-    _check_logit_pair(student_logits, teacher_logits)
-    mask = _check_mask(completion_mask, student_logits.shape[:2])
+    student, teacher = _check_logit_pair(student_logits, teacher_logits)
+    mask = _check_mask(completion_mask, student.states.shape[:2])
     _check_temperature(temperature)
     denom = _resolve_num_tokens(num_tokens, mask)
 
-    ls, lt = _masked_rows(student_logits, teacher_logits, mask, temperature)
+    jsd_sum, rkl_sum = _row_sums(functools.partial(_jsd_sums, beta=beta), student, teacher, mask,
+                                 temperature)
+    loss = jsd_sum / denom
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1)
+        metrics = _metrics(jsd=jsd_sum / n, reverse_kl=rkl_sum / n, num_tokens=n_local)
+    return LossOutput(loss=loss, metrics=metrics)
+
+
+def _jsd_sums(ls: torch.Tensor, lt: torch.Tensor, *, beta: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ rows of the generalized JSD (with grad) and of KL(student ‖ teacher)."""
     if beta == 0.0:
         per_token = _kl_rows(lt, ls)
     elif beta == 1.0:
@@ -487,14 +484,9 @@ def generalized_jsd_loss(
         # Floor first: logaddexp(-inf, -inf) has a NaN gradient.
         lm = torch.logaddexp(_floor_log(ls) + math.log(1.0 - beta), _floor_log(lt) + math.log(beta))
         per_token = beta * _kl_rows(lt, lm) + (1.0 - beta) * _kl_rows(ls, lm)
-    loss = per_token.sum() / denom
     with torch.no_grad():
-        n_local = mask.sum()
-        n = n_local.clamp(min=1)
-        metrics = _metrics(
-            jsd=per_token.sum() / n, reverse_kl=_kl_rows(ls, lt).sum() / n, num_tokens=n_local
-        )
-    return LossOutput(loss=loss, metrics=metrics)
+        rkl = _kl_rows(ls, lt).sum()
+    return per_token.sum(), rkl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,14 +495,16 @@ def generalized_jsd_loss(
 
 @dataclass(frozen=True)
 class TokenScores:
-    """One batch of sampled completions as the losses see it: both models' next-token logits
-    aligned with ``tokens`` (``shift_for_next_token``, one shared vocabulary), the completion
-    ``mask``, and one ``advantages`` value per row (the task's rewards, ``group_advantages``)
-    when known. Each loss takes its pair of inputs from one of ``logits``, ``logprobs``,
-    ``rewards``; the sampled tokens' log-probs are computed once, on first use."""
+    """One batch of sampled completions as the losses see it, aligned with ``tokens``
+    (``shift_for_next_token``, one shared vocabulary): the student's next-token logits (with
+    grad; dense or chunked, ``NextTokenLogits``), what the teacher gave (``TeacherScores``), the
+    completion ``mask``, and one ``advantages`` value per row (the task's rewards,
+    ``group_advantages``) when known. Each loss takes its pair of inputs from one of
+    ``logits``, ``logprobs``, ``rewards``; the sampled tokens' log-probs are computed once, on
+    first use."""
 
-    student_logits: torch.Tensor
-    teacher_logits: torch.Tensor
+    student: NextTokenLogits
+    teacher: TeacherScores
     tokens: torch.Tensor
     mask: torch.Tensor
     advantages: torch.Tensor | None = None
@@ -518,12 +512,14 @@ class TokenScores:
 
     def _logprobs(self, who: str) -> torch.Tensor:
         if who not in self._cache:
-            self._cache[who] = token_logprobs(getattr(self, f"{who}_logits"), self.tokens)
+            mask = self.mask.bool()
+            self._cache[who] = (self.student.token_logprobs(self.tokens, mask) if who == "student"
+                                else self.teacher.sampled(self.tokens, mask))
         return self._cache[who]
 
-    def logits(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both models' full logits ``[B, T, V]``."""
-        return self.student_logits, self.teacher_logits
+    def logits(self) -> tuple[NextTokenLogits, NextTokenLogits]:
+        """Both models' full next-token logits (dense ``[B, T, V]`` or hidden states + head)."""
+        return self.student, self.teacher.full()
 
     def logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Both models' log-probs of the sampled tokens ``[B, T]``."""
@@ -547,20 +543,24 @@ class LossInputs:
     """What a loss of ``LOSSES`` needs. Every loss is called the same way,
     ``loss(student, reference, mask, num_tokens=..., **options)``: ``select`` picks the
     ``(student, reference)`` pair from ``TokenScores``, ``options`` names the config field of
-    each extra keyword (``{loss keyword: config field}``)."""
+    each extra keyword (``{loss keyword: config field}``), ``teacher`` is what the loss (its
+    metrics included) reads from the teacher."""
 
-    select: Callable[[TokenScores], tuple[torch.Tensor, torch.Tensor]]
+    select: Callable[[TokenScores], tuple[Any, Any]]
+    teacher: TeacherNeeds
     options: Mapping[str, str] = field(default_factory=dict)
 
 
 # Every loss by its config name, with what it consumes: per-token log-probs [B, T] or full
-# logits [B, T, V] of both models, or the task's rewards (the RL baseline: the teacher is then
+# next-token logits (dense or chunked) of both models, or the task's rewards (the RL baseline: the teacher is then
 # only measured, never learned from).
+_SAMPLED, _FULL = TeacherNeeds.SAMPLED, TeacherNeeds.FULL
 _REGISTRY: dict[str, tuple[Callable[..., LossOutput], LossInputs]] = {
-    "reverse_kl_pg": (reverse_kl_pg_loss, LossInputs(TokenScores.logprobs, {"discount": "discount"})),
-    "reverse_kl": (reverse_kl_loss, LossInputs(TokenScores.logits)),
-    "jsd": (generalized_jsd_loss, LossInputs(TokenScores.logits, {"beta": "jsd_beta"})),
-    "drgrpo": (policy_gradient_loss, LossInputs(TokenScores.rewards)),
+    "reverse_kl_pg": (reverse_kl_pg_loss,
+                      LossInputs(TokenScores.logprobs, _SAMPLED, {"discount": "discount"})),
+    "reverse_kl": (reverse_kl_loss, LossInputs(TokenScores.logits, _FULL)),
+    "jsd": (generalized_jsd_loss, LossInputs(TokenScores.logits, _FULL, {"beta": "jsd_beta"})),
+    "drgrpo": (policy_gradient_loss, LossInputs(TokenScores.rewards, _SAMPLED)),
 }
 LOSSES: dict[str, Callable[..., LossOutput]] = {k: fn for k, (fn, _) in _REGISTRY.items()}
 LOSS_INPUTS: dict[str, LossInputs] = {k: inputs for k, (_, inputs) in _REGISTRY.items()}
@@ -579,6 +579,11 @@ def compute_loss(name: str, scores: TokenScores, *, num_tokens: NumTokens = None
     if "reverse_kl" not in out.metrics:
         out.metrics["reverse_kl"] = scores.sampled_reverse_kl()
     return out
+
+
+def teacher_needs(name: str) -> TeacherNeeds:
+    """What the loss ``name`` reads from the teacher (``LossInputs.teacher``)."""
+    return LOSS_INPUTS[_loss_key(name)].teacher
 
 
 def get_loss(name: str) -> Callable[..., LossOutput]:

@@ -1,5 +1,7 @@
 """Scoring sampled completions with a model: logits over the rollout layout, the aligned
-per-token view every loss reads (``TokenScores``), and greedy exact-match accuracy.
+per-token view every loss reads (``TokenScores``: the student's logits and what the
+``Teacher`` gave), when to chunk the loss (``loss_chunk_rows``), and greedy exact-match
+accuracy.
 
 Used by the trainer (loss and gate), the zoo, the teacher-selection diagnostic and the
 benchmarks, so none of them imports another's module to get these.
@@ -11,11 +13,28 @@ import torch
 from torch import nn
 
 from .engines import Engine, Rollout
-from .losses import TokenScores, shift_for_next_token
+from .logits import model_logits
+from .losses import TokenScores
 from .tasks import Problem, Task
-from .vocab import align_vocab
+from .teacher import ModelTeacher, Teacher, TeacherNeeds
 
-__all__ = ["sequence_logits", "score_tokens", "greedy_accuracy"]
+__all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "loss_chunk_rows",
+           "AUTO_CHUNK_ROWS", "AUTO_CHUNK_ELEMENTS"]
+
+# --loss_chunk_size's default: chunk when a micro-batch's completion tokens × vocabulary can
+# reach 2^26 logits (256 MiB per fp32 copy; the dense loss holds about a dozen), 128 rows at a
+# time (benchmarks/results/loss_memory.md).
+AUTO_CHUNK_ELEMENTS = 1 << 26
+AUTO_CHUNK_ROWS = 128
+
+
+def loss_chunk_rows(setting: int | None, num_tokens: int, vocab_size: int) -> int:
+    """Rows per ``lm_head`` projection for micro-batches of up to ``num_tokens`` completion
+    tokens: ``setting`` when given (0: dense logits), else ``AUTO_CHUNK_ROWS`` once
+    ``num_tokens × vocab_size`` reaches ``AUTO_CHUNK_ELEMENTS`` and dense below."""
+    if setting is not None:
+        return setting
+    return AUTO_CHUNK_ROWS if num_tokens * vocab_size >= AUTO_CHUNK_ELEMENTS else 0
 
 
 def sequence_logits(model: nn.Module, rollout: Rollout | None = None, *,
@@ -29,18 +48,20 @@ def sequence_logits(model: nn.Module, rollout: Rollout | None = None, *,
     return model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids).logits
 
 
-def score_tokens(student: nn.Module, teacher: nn.Module, sequences: torch.Tensor,
+def score_tokens(student: nn.Module, teacher: Teacher | nn.Module, sequences: torch.Tensor,
                  attention_mask: torch.Tensor, completion_mask: torch.Tensor, vocab_size: int, *,
+                 needs: TeacherNeeds = TeacherNeeds.FULL, chunk_size: int = 0,
                  advantages: torch.Tensor | None = None) -> TokenScores:
-    """Both models' next-token logits on the sampled ``sequences``, shifted onto the tokens
-    they predict and cut to the shared ``vocab_size``. The student keeps its graph (unless the
-    caller disables grad); the teacher never has one."""
-    student_logits = sequence_logits(student, sequences=sequences, attention_mask=attention_mask)
-    with torch.no_grad():
-        teacher_logits = sequence_logits(teacher, sequences=sequences, attention_mask=attention_mask)
-    ls, tokens, mask = shift_for_next_token(student_logits, sequences, completion_mask)
-    return TokenScores(align_vocab(ls, vocab_size), align_vocab(teacher_logits[:, :-1], vocab_size),
-                       tokens, mask, advantages)
+    """The student's next-token logits on the sampled ``sequences`` (dense, or chunked when
+    ``chunk_size`` > 0) and the teacher's scores of what the loss ``needs``, shifted onto the
+    tokens they predict and cut to the shared ``vocab_size``. The student keeps its graph
+    (unless the caller disables grad); the teacher never has one. A bare ``nn.Module`` teacher
+    is scored in process (``ModelTeacher``, with the same ``chunk_size``)."""
+    if not isinstance(teacher, Teacher):
+        teacher = ModelTeacher(teacher, vocab_size, chunk_size=chunk_size)
+    logits = model_logits(student, sequences, attention_mask, vocab_size, chunk_size=chunk_size)
+    scored = teacher.score(sequences, attention_mask, completion_mask, needs)
+    return TokenScores(logits, scored, sequences[:, 1:], completion_mask[:, 1:], advantages)
 
 
 def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:

@@ -55,12 +55,16 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
         tokenizer.pad_token = tokenizer.eos_token
     # With --fsdp a model to be sharded stays on the CPU: OPDTrainer shards it onto the device
     # one block at a time, so no GPU ever holds the full model.
+    teacher = _served_teacher(config, tokenizer, task)  # its checks before any model loads
     student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype)
-    teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+    if config.teachers:
+        teacher = _teacher_router(config, tokenizer, task, student, dtype)
+    elif teacher is None:
+        teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+        if not (config.fsdp and config.fsdp_teacher == "shard"):
+            teacher = teacher.to(config.device)
     if not config.fsdp:
         student = student.to(config.device)
-    if not (config.fsdp and config.fsdp_teacher == "shard"):
-        teacher = teacher.to(config.device)
     if config.engine == "vllm":
         engine = make_engine("vllm", config.student, tokenizer,
                              dtype=config.vllm_dtype or config.dtype, seed=config.seed,
@@ -68,6 +72,52 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
     else:
         engine = make_engine("hf", student, tokenizer)
     return OPDTrainer(config, student, teacher, task, engine, tokenizer=tokenizer)
+
+
+def _served_teacher(config: OPDConfig, tokenizer, task):
+    """With ``--teacher_url``: the ``ServedTeacher``, its servers probed (``served.connect``)
+    on this run's prompts; otherwise None."""
+    if not config.teacher_url:
+        return None
+    from .losses import teacher_needs
+    from .served import connect
+
+    problems = task.problems("train", seed=config.seed)
+    return connect(config.teacher_url, config, tokenizer, [p.prompt for p in problems],
+                   config.max_new_tokens or task.max_new_tokens,
+                   top_k=teacher_needs(config.loss).k)
+
+
+def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
+    """With ``--teachers``: every problem's teacher resolved (one line if one has none), the
+    served ones probed, then the in-process ones loaded; a ``TeacherRouter`` over them."""
+    from transformers import AutoModelForCausalLM
+
+    from .losses import teacher_needs
+    from .routing import TeacherRouter, teacher_names
+    from .served import connect
+    from .teacher import ModelTeacher
+    from .vocab import check_vocab_compatible
+
+    refs = config.teacher_refs()
+    splits = {"training": task.problems("train", seed=config.seed),
+              "gate": task.problems("gate", config.gate_size, seed=config.seed),
+              "eval": task.problems("test", config.eval_size, seed=config.seed)}
+    for split, problems in splits.items():
+        teacher_names(problems, config.teacher_key, list(refs), config.default_teacher,
+                      what=f"{split} problems")
+    prompts = [p.prompt for p in splits["training"]]
+    max_new = config.max_new_tokens or task.max_new_tokens
+    teachers = {name: connect(ref, config, tokenizer, prompts, max_new,
+                              top_k=teacher_needs(config.loss).k)
+                for name, ref in refs.items() if isinstance(ref, list)}
+    for name, ref in refs.items():
+        if not isinstance(ref, list):
+            model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype).to(config.device)
+            size = check_vocab_compatible(student, model, tokenizer=tokenizer)
+            teachers[name] = ModelTeacher(model.requires_grad_(False).eval(), size)
+    return TeacherRouter({n: teachers[n] for n in refs}, config.teacher_key,
+                         config.default_teacher)
 
 
 def _init_distributed(config: OPDConfig) -> None:
@@ -105,7 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         print(f"lookahead-opd train: {err}", file=sys.stderr)
         return 2
-    result = trainer.train()  # a failure while training keeps its traceback
+    from .served import TeacherServerError
+
+    try:
+        result = trainer.train()  # any other failure while training keeps its traceback
+    except TeacherServerError as err:  # already one line naming the server and the step
+        print(f"lookahead-opd train: {err}", file=sys.stderr)
+        return 1
     final = result.evals[-1][1] if result.evals else float("nan")
     if trainer.rank == 0:
         print(f"done: {trainer.step} steps, final eval accuracy {final:.1%}, "

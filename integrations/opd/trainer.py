@@ -47,13 +47,16 @@ from .checkpoint import (
 )
 from .config import OPDConfig
 from .engines import Engine, Rollout
-from .losses import compute_loss, group_advantages, reverse_kl_loss
+from .logits import model_logits
+from .losses import compute_loss, group_advantages, reverse_kl_loss, teacher_needs
 from .metrics import MetricsLog
 from .optimizers import OptimizerFactory, build_optimizer, optimizer_kwargs
 from .ranks import Ranks
-from .scoring import greedy_accuracy, score_tokens
+from .routing import TeacherRouter
+from .scoring import greedy_accuracy, loss_chunk_rows, score_tokens
 from .sharding import require_process_group, shard
 from .tasks import Problem, Task
+from .teacher import ModelTeacher, Teacher, TeacherNeeds, TeacherScores
 from .vocab import check_vocab_compatible
 
 __all__ = ["OPDTrainer", "TrainResult"]
@@ -77,15 +80,17 @@ class OPDTrainer:
 
     ``engine`` generates the student's rollouts (``HFEngine`` over the live ``student`` module,
     or a ``VLLMEngine`` that receives the weights before every generation: rollouts, gate
-    candidates, evaluations). ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks``
-    are called with each step's metrics dict.
+    candidates, evaluations). ``teacher`` is an ``nn.Module`` (scored in process,
+    ``ModelTeacher``) or any ``Teacher``; ``self.teacher_scorer`` is the ``Teacher`` the
+    loss and the gate read. ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks`` are
+    called with each step's metrics dict.
     """
 
     def __init__(
         self,
         config: OPDConfig,
         student: nn.Module,
-        teacher: nn.Module,
+        teacher: nn.Module | Teacher,
         task: Task,
         engine: Engine,
         *,
@@ -99,7 +104,10 @@ class OPDTrainer:
             config, student, teacher, task, engine)
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.callbacks = list(callbacks or [])
-        self.vocab_size = check_vocab_compatible(student, teacher, tokenizer=self.tokenizer)
+        teacher_model = teacher.model if isinstance(teacher, ModelTeacher) else teacher
+        self.vocab_size = check_vocab_compatible(
+            student, teacher_model if isinstance(teacher_model, nn.Module) else teacher.vocab_size,
+            tokenizer=self.tokenizer)
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
         self.output_dir = Path(config.output_dir)
 
@@ -119,15 +127,40 @@ class OPDTrainer:
             # Sharded after the broadcast, so every rank's shards come from rank 0's weights.
             shard(student, train=True, mixed_precision=config.fsdp_mixed_precision,
                   device=config.device)
-            if config.fsdp_teacher == "shard":
-                shard(teacher, train=False, mixed_precision=config.fsdp_mixed_precision,
+            if config.fsdp_teacher == "shard" and isinstance(teacher_model, nn.Module):
+                shard(teacher_model, train=False, mixed_precision=config.fsdp_mixed_precision,
                       device=config.device)
 
-        teacher.requires_grad_(False).eval()
+        if isinstance(teacher_model, nn.Module):
+            teacher_model.requires_grad_(False).eval()
+        # Rows per lm_head projection in the loss and the gate (0: dense logits), decided once
+        # from the largest micro-batch (or gate set) a rank can have, so every micro-batch and
+        # every rank agrees (under FSDP a chunked forward gathers the lm_head: a collective).
+        rows = max(-(-config.batch_size * config.num_samples
+                     // (self.world * config.gradient_accumulation_steps)),
+                   -(-config.gate_size // self.world))
+        self.loss_chunk_size = loss_chunk_rows(config.loss_chunk_size, rows * self.max_new_tokens,
+                                               self.vocab_size)
+        self.teacher_scorer: Teacher = (
+            teacher if isinstance(teacher, Teacher)
+            else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
+        self.teacher_scorer.check(teacher_needs(config.loss), f"--loss {config.loss}")
+        # Several teachers: every problem's teacher is known before step 0 (one line if not).
+        self.router = teacher if isinstance(teacher, TeacherRouter) else None
+        self._row_teachers: list[str] = []
+        if self.router is not None:
+            for split, problems in (("training", self.train_problems), ("gate", self.gate_problems),
+                                    ("eval", self.eval_problems)):
+                self.router.names(problems, what=f"{split} problems")
+        if config.extrapolate and config.gate == "neg_kl":
+            self.teacher_scorer.check(TeacherNeeds.FULL, "--gate neg_kl")
         student.train()
         self.gate_evals = 0
         self.gate_seconds = 0.0
         self._gate_sequences: dict[str, torch.Tensor] | None = None
+        # The teacher's scores of the fixed gate rollouts: the teacher does not change, so they
+        # are computed once per gate rollouts (sampled once per run, or loaded on resume).
+        self._gate_teacher: TeacherScores | None = None
         self.optimizer = self._build_optimizer()
         self.ema = None
         if config.ema_decay is not None:
@@ -197,28 +230,50 @@ class OPDTrainer:
 
     def gate_reverse_kl(self) -> float:
         """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
-        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap)."""
+        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap). The
+        teacher's scores of them are computed at the first call too; each later call runs
+        only the student."""
         if self._gate_sequences is None:
             r = self.synced_engine().generate(
                 [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
                 temperature=self.config.temperature, seed=self.config.seed)
             self._gate_sequences = {"sequences": r.sequences, "attention_mask": r.attention_mask,
                                     "completion_mask": r.completion_mask}
+            self._gate_teacher = None
         g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
+        if self._gate_teacher is None:
+            self._gate_teacher = self.teacher_scorer.score(
+                g["sequences"], g["attention_mask"], g["completion_mask"], TeacherNeeds.FULL)
         was_training = self.student.training
         self.student.eval()
         try:
             with torch.no_grad():
-                scores = score_tokens(self.student, self.teacher, g["sequences"],
-                                      g["attention_mask"], g["completion_mask"], self.vocab_size)
+                student = model_logits(self.student, g["sequences"], g["attention_mask"],
+                                       self.vocab_size, chunk_size=self.loss_chunk_size)
+                out = reverse_kl_loss(student, self._gate_teacher.full(),
+                                      g["completion_mask"][:, 1:])
         finally:
             self.student.train(was_training)
-        return reverse_kl_loss(*scores.logits(), scores.mask).metrics["reverse_kl"]
+        return out.metrics["reverse_kl"]
 
     def evaluate(self) -> float:
-        """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any)."""
+        """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any).
+        With several teachers, each teacher's problems are evaluated apart and
+        ``eval_by_teacher`` holds their accuracies (``eval_accuracy/NAME`` in the metrics)."""
         with self._ema_weights():
-            return self._accuracy(self.eval_problems, across_ranks=True)
+            if self.router is None:
+                return self._accuracy(self.eval_problems, across_ranks=True)
+            names = self.router.names(self.eval_problems)
+            correct = total = 0.0
+            self.eval_by_teacher = {}
+            for name in self.router.teachers:
+                group = [p for p, n in zip(self.eval_problems, names, strict=True) if n == name]
+                acc = self._accuracy(group, across_ranks=False) if group else 0.0
+                c, n = self.ranks.sum([acc * len(group), len(group)])
+                if n:
+                    self.eval_by_teacher[f"eval_accuracy/{name}"] = c / n
+                correct, total = correct + c, total + n
+            return correct / total
 
     def _accuracy(self, problems: list[Problem], *, across_ranks: bool) -> float:
         """Greedy exact match on this rank's ``problems``; with ``across_ranks``, of all ranks'."""
@@ -291,6 +346,8 @@ class OPDTrainer:
             seed=c.seed * 1_000_003 + self.step * self.world + self.rank,
             num_samples=c.num_samples).to(c.device)
         rows_problems = [p for p in problems for _ in range(c.num_samples)]  # prompt-major rows
+        if self.router is not None:
+            self._row_teachers = self.router.names(rows_problems)
         rewards = torch.tensor([self.task.reward(t, p) for t, p in
                                 zip(rollout.texts, rows_problems, strict=True)])
         return rollout, rewards
@@ -306,6 +363,8 @@ class OPDTrainer:
         rows = rollout.sequences.shape[0]
         chunk = rows // c.gradient_accumulation_steps
         loss_total = 0.0
+        self._kl_by_teacher: dict[str, list[float]] = {}
+        seconds_before = dict(self.router.seconds) if self.router is not None else {}
         for start in range(0, rows, chunk):
             sl = slice(start, start + chunk)
             out = self._micro_batch_loss(rollout, sl, max(total_tokens, 1), advantages[sl])
@@ -329,7 +388,23 @@ class OPDTrainer:
             "num_tokens": total_tokens,
             "reward": reward_sum / reward_n,
             "grad_norm": grad_norm,
+            **self._per_teacher_metrics(seconds_before),
         }
+
+    def _per_teacher_metrics(self, seconds_before: dict[str, float]) -> dict[str, float]:
+        """With several teachers: each one's sampled-token reverse KL over its rows of this
+        step (all ranks) and this rank's seconds scoring them."""
+        if self.router is None:
+            return {}
+        names = list(self.router.teachers)
+        kl = [self._kl_by_teacher.get(n, [0.0, 0.0]) for n in names]
+        summed = self.ranks.sum([v for pair in kl for v in pair])
+        out = {}
+        for i, name in enumerate(names):
+            if summed[2 * i + 1]:
+                out[f"reverse_kl/{name}"] = summed[2 * i] / summed[2 * i + 1]
+            out[f"seconds_teacher/{name}"] = self.router.seconds[name] - seconds_before[name]
+        return out
 
     def _update(self):
         """The optimizer step (and the EffOPD search when scheduled); the search's
@@ -347,10 +422,25 @@ class OPDTrainer:
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
-        scores = score_tokens(self.student, self.teacher, rollout.sequences[rows],
+        if hasattr(self.teacher_scorer, "step"):  # a served teacher names it in a failure
+            self.teacher_scorer.step = self.step + 1  # the step as logged
+        teacher = self.teacher_scorer
+        if self.router is not None:
+            teacher = self.router.for_rows(self._row_teachers[rows])
+        scores = score_tokens(self.student, teacher, rollout.sequences[rows],
                               rollout.attention_mask[rows], rollout.completion_mask[rows],
-                              self.vocab_size, advantages=advantages)
-        return compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
+                              self.vocab_size, needs=teacher_needs(self.config.loss),
+                              chunk_size=self.loss_chunk_size, advantages=advantages)
+        out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
+        if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
+            with torch.no_grad():
+                ls, lt = scores.logprobs()
+                per_row = ((ls - lt) * scores.mask).sum(1).tolist()
+                counts = scores.mask.sum(1).tolist()
+            for name, kl, n in zip(self._row_teachers[rows], per_row, counts, strict=True):
+                sums = self._kl_by_teacher.setdefault(name, [0.0, 0.0])
+                sums[0], sums[1] = sums[0] + kl, sums[1] + n
+        return out
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> TrainResult:
@@ -399,6 +489,8 @@ class OPDTrainer:
         return result
 
     def _log(self, m: dict[str, Any], result: TrainResult) -> None:
+        if "eval_accuracy" in m and self.router is not None:
+            m.update(self.eval_by_teacher)
         result.metrics.append(m)
         if "jump" in m:
             result.jumps.append(m["jump"])
@@ -477,6 +569,7 @@ class OPDTrainer:
             if self.ema is not None and state.get("ema") is not None:
                 self.ema.load_state_dict(state["ema"])
             rng = state["rng"]
+        self._gate_teacher = None  # scores of the gate rollouts just loaded (or to be sampled)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self.train_seconds = state["train_seconds"]

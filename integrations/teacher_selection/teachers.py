@@ -51,6 +51,10 @@ def parse_teacher_spec(spec: str) -> TeacherSpec:
             raise ValueError(f"unknown self-teacher context {context!r} in {spec!r}; expected "
                              f"one of {', '.join('self:' + c for c in SELF_CONTEXTS)}")
         return TeacherSpec("self", context=context)
+    if spec.startswith(("http://", "https://")):
+        raise ValueError(f"teacher {spec}: a served teacher gives log-probs of given tokens (or "
+                         f"the top-k), but the diagnostic reads each teacher's full "
+                         f"distribution; pass the teacher's model directory or Hub id")
     return TeacherSpec("model", path=spec)
 
 

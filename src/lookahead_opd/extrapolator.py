@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 ParamsSpec = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]]]
 
 _STATE_VERSION = 1
+_CHUNK = 1 << 16  # elements a candidate is written at a time: bounds the fp32 scratch
 
 
 @dataclass
@@ -321,6 +322,7 @@ class Extrapolator:
         is ``backup``'s ``W_t``, or the window average for ``direction="averaged"``). With
         ``measure``, also return ``‖Δ‖`` (else 0), of the whole tensors when sharded."""
         sq = [0.0] * len(self._params)
+        scratch: dict[torch.device, Tensor] = {}
         for i, p in enumerate(self._local()):
             base = self._base(i, backup, p.device)
             projected = None if self._projected is None else self._projected[i]
@@ -329,12 +331,63 @@ class Extrapolator:
                     sq[i] = float(projected.square().sum())
                 p.copy_(torch.add(base, projected.to(p.device), alpha=c))  # base may be the backup
                 continue
-            anchor = self.store.anchor(i, p.device)
-            if measure:
-                sq[i] = float(torch.sub(base, anchor).square().sum())
-            # lerp(anchor, base, 1 + c) = base + c·(base − anchor), one fused fp32 kernel.
-            p.copy_(torch.lerp(anchor, base, 1.0 + c))
+            if p.device not in scratch:
+                scratch[p.device] = torch.empty(_CHUNK, device=p.device)
+            with _Flat(p) as flat:
+                base = base.reshape(-1)
+                for a in range(0, flat.numel(), _CHUNK):
+                    z = min(a + _CHUNK, flat.numel())
+                    anchor = self.store.anchor_run(i, a, z, p.device)
+                    delta = _delta(base[a:z], anchor, scratch[p.device][: z - a])
+                    if measure:
+                        sq[i] += float(delta.double().square().sum())
+                    _candidate(flat[a:z], base[a:z], delta, c)
         return math.sqrt(distributed.square_sum(self._params, sq)) if measure else 0.0
+
+    @torch.no_grad()
+    def _prepare(self, first: float | None) -> tuple[list[Tensor], Tensor]:
+        """One pass over the weights, a run of elements at a time: copy ``W_t`` into the
+        backup, sketch ``Δ`` and, when ``first`` is a coefficient, write that candidate (what
+        ``apply(first)`` writes). A one-candidate search thus reads the weights and the anchor
+        once, and writes the backup and the candidate once. Returns ``(backup, sketch)``; on an
+        exception the weights are put back first."""
+        backup: list[Tensor] = []
+        run, finished, done = None, 0, 0  # parameters passed; elements of the next backed up
+        try:
+            for i, param in enumerate(self._params):
+                p = distributed.local_tensor(param).detach()
+                run = run or self.secant.start(p.device, self.process_group)
+                b = torch.empty(p.shape, dtype=p.dtype, device=self._buffer_device or p.device)
+                backup.append(b)
+                done = 0
+                with _Flat(p, write=first is not None) as flat:
+                    b_flat, scratch = b.view(-1), run.scratch(p.device)
+                    base = flat if self.direction == "secant" else (
+                        self._averages[i].to(p.device).view(-1))
+                    for piece in run.pieces(i, p, distributed.shard_layout(param)):
+                        a, z = piece.start, piece.stop
+                        b_flat[a:z].copy_(flat[a:z])
+                        done = z
+                        if piece.mine or first is not None:
+                            anchor = self.store.anchor_run(i, a, z, p.device)
+                            delta = _delta(base[a:z], anchor, scratch[: z - a])
+                            if first is not None:
+                                _candidate(flat[a:z], base[a:z], delta, first)
+                            if piece.mine:
+                                run.add(piece, delta)
+                finished += 1
+            sketch = run.result() if run is not None else None  # all-reduced: a collective
+        except BaseException:
+            if first is not None:  # candidates were written up to here: W_t comes back
+                for n, (p, b) in enumerate(zip(self._local(), backup, strict=False)):
+                    if n < finished:
+                        p.copy_(b)
+                    elif p.is_contiguous():  # a copy of a non-contiguous one was not written
+                        p.view(-1)[:done].copy_(b.view(-1)[:done])
+            raise
+        if sketch is None:
+            raise RuntimeError("no parameters to search over")
+        return backup, sketch
 
     @torch.no_grad()
     def search(self) -> JumpRecord:
@@ -344,34 +397,32 @@ class Extrapolator:
                                f"(patience={self.patience}) and its anchor was freed")
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
-        backup = self.copy_weights()
+        # Score W_t before the pass: it may write the first candidate into the weights.
+        best = record.score_before = self._score()
+        record.n_evals = 1
+        if not math.isfinite(best):
+            coefficients: tuple[float, ...] = ()
+        else:
+            coefficients = self.coefficients
+            if self.direction == "averaged" and self._window_count <= 1:
+                # A one-step window's average is W_t itself: c = 0 would tie s0.
+                coefficients = tuple(c for c in coefficients if c != 0)
+        projecting = bool(coefficients) and self.direction_rank is not None
+        first = coefficients[0] if coefficients and not projecting else None
         # Hashed on the parameters' device even when the buffers are offloaded (GPU >> CPU).
-        sketch = self.secant.measure(
-            ((i, self._direction(i, backup).to(p.device), distributed.shard_layout(p))
-             for i, p in enumerate(self._params)),
-            self.process_group,
-        )
+        backup, sketch = self._prepare(first)
         record.direction_norm = math.sqrt(float(sketch[-1]))
         record.secant_cosine, record.norm_ratio = self.secant.compare(sketch)
         try:
-            best = record.score_before = self._score()
-            record.n_evals = 1
             if self.log_geometry:
                 record.geometry = self._geometry(backup)
-            if not math.isfinite(best):
-                coefficients: tuple[float, ...] = ()
-            else:
-                coefficients = self.coefficients
-                if self.direction == "averaged" and self._window_count <= 1:
-                    # A one-step window's average is W_t itself: c = 0 would tie s0.
-                    coefficients = tuple(c for c in coefficients if c != 0)
-            if coefficients and self.direction_rank is not None:
+            if projecting:
                 self._projected = self._project(backup)
-            measure = self._projected is not None  # the projection shrinks ‖Δ‖
-            for c in coefficients:
-                norm = self.apply(c, backup, measure=measure)
-                if measure:
-                    record.direction_norm, measure = norm, False
+            for n, c in enumerate(coefficients):
+                if n > 0 or first is None:  # the pass wrote the first candidate already
+                    norm = self.apply(c, backup, measure=projecting and n == 0)
+                    if projecting and n == 0:  # the projection shrinks ‖Δ‖
+                        record.direction_norm = norm
                 score = self._score()
                 record.n_evals += 1
                 record.coefficients.append(c)
@@ -390,7 +441,7 @@ class Extrapolator:
             self.restore(backup)
             raise
         self._projected = None
-        self._set_anchor(record.accepted is not None)
+        self._set_anchor(record.accepted is not None, backup)
         self.secant.remember(sketch)
         if record.accepted is not None and self.on_jump == "reset":
             for p in self._params:
@@ -433,10 +484,15 @@ class Extrapolator:
         return out
 
     @torch.no_grad()
-    def _set_anchor(self, accepted: bool) -> None:
-        if self.direction == "secant" or accepted:
+    def _set_anchor(self, accepted: bool, backup: Sequence[Tensor]) -> None:
+        if accepted:
             for i, p in enumerate(self._local()):
                 self.store.capture(i, p)
+        elif self.direction == "secant":
+            # The weights are W_t again, which the backup holds: it becomes the anchor (a full
+            # store keeps the tensor itself, no copy) unless it lives on another device.
+            for i, (p, b) in enumerate(zip(self._local(), backup, strict=True)):
+                self.store.adopt(i, b if b.device == p.device else p)
         else:
             for i, avg in enumerate(self._averages):
                 self.store.capture(i, avg)
@@ -559,6 +615,38 @@ class _Released(SnapshotStore):
 
     def __repr__(self) -> str:
         return "released (searching stopped)"
+
+
+class _Flat:
+    """``with _Flat(p) as flat``: ``p`` flattened, as a view when ``p`` is contiguous, else as
+    a copy that is written back on exit (``write=True``, and no exception)."""
+
+    def __init__(self, p: Tensor, write: bool = True) -> None:
+        self.p, self.write = p, write
+        self.flat = p.view(-1) if p.is_contiguous() else p.contiguous().view(-1)
+
+    def __enter__(self) -> Tensor:
+        return self.flat
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        if kind is None and self.write and self.flat.data_ptr() != self.p.data_ptr():
+            self.p.copy_(self.flat.view_as(self.p))
+
+
+def _delta(base: Tensor, anchor: Tensor, out: Tensor) -> Tensor:
+    """``out = base − anchor`` in fp32 (``out`` is an fp32 run on the parameter's device)."""
+    if base.dtype == anchor.dtype == torch.float32 and base.device == anchor.device == out.device:
+        return torch.sub(base, anchor, out=out)
+    return out.copy_(base).sub_(anchor.to(out.device))
+
+
+def _candidate(dst: Tensor, base: Tensor, delta: Tensor, c: float) -> None:
+    """``dst = base + c·delta`` in fp32, cast to ``dst``'s dtype: one formula wherever a
+    candidate is written, so re-applying a kept one gives the same bits."""
+    if dst.dtype == base.dtype == torch.float32 and dst.device == base.device == delta.device:
+        torch.add(base, delta, alpha=c, out=dst)
+    else:
+        dst.copy_(torch.add(base.to(delta.device, torch.float32), delta, alpha=c))
 
 
 def _make_store(o: ExtrapolationOptions, device: torch.device | None) -> SnapshotStore:

@@ -12,7 +12,7 @@ never holds more than one extra fp32 tensor besides the stores themselves.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Union
 
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor
 __all__ = ["SnapshotStore", "FullSnapshot", "LowRankSnapshot", "ReferenceSpec"]
 
 ReferenceSpec = Union[None, Mapping[str, Tensor], str, os.PathLike]
+_CHUNK = 1 << 16  # elements of ``anchor − reference`` a low-rank capture holds at a time
 
 
 def _as_device(device: str | torch.device | None) -> torch.device | None:
@@ -41,6 +42,22 @@ class SnapshotStore:
     def anchor(self, index: int, device: torch.device) -> Tensor:
         """The anchor of entry ``index`` as a new fp32 tensor on ``device``."""
         raise NotImplementedError
+
+    def anchor_run(self, index: int, start: int, stop: int, device: torch.device) -> Tensor:
+        """Elements ``[start, stop)`` of entry ``index``'s flattened anchor on ``device``, in
+        any float dtype, to read only. A search reads the anchor run by run through this, so a
+        store need not build a whole tensor for it (this default builds the entry's anchor once
+        and slices it until another entry is asked for)."""
+        cached = getattr(self, "_run_cache", None)
+        if cached is None or cached[:2] != (index, device):
+            cached = self._run_cache = (index, device, self.anchor(index, device).reshape(-1))
+        return cached[2][start:stop]
+
+    def adopt(self, index: int, tensor: Tensor) -> None:
+        """Make ``tensor``'s values the anchor of entry ``index``, keeping ``tensor`` itself
+        where the store can (the caller no longer uses it): a refused search's backup of the
+        weights becomes the new anchor without a copy."""
+        self.capture(index, tensor)
 
     def nbytes(self) -> int:
         """Bytes held for the anchors (a low-rank store's CPU/disk reference not included)."""
@@ -85,6 +102,18 @@ class FullSnapshot(SnapshotStore):
 
     def anchor(self, index: int, device: torch.device) -> Tensor:
         return self._anchors[index].to(device=device, dtype=torch.float32, copy=True)
+
+    def anchor_run(self, index: int, start: int, stop: int, device: torch.device) -> Tensor:
+        return self._anchors[index].view(-1)[start:stop].to(device)
+
+    def adopt(self, index: int, tensor: Tensor) -> None:
+        stored, t = self._anchors[index], tensor.detach()
+        if (stored.dtype, stored.device, stored.shape) == (t.dtype, t.device, t.shape) and (
+            t.is_contiguous()
+        ):
+            self._anchors[index] = t
+        else:
+            self.capture(index, t)
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._anchors)
@@ -179,6 +208,7 @@ class LowRankSnapshot(SnapshotStore):
         self._refs: list[Tensor] = []
         # Per entry: {"dense": fp32 tensor} or {"U": m×r, "V": n×r}.
         self._entries: list[dict[str, Tensor]] = []
+        self._last_group: tuple[tuple[int, int, torch.device], Tensor] | None = None
 
     def compresses(self, shape: torch.Size | Sequence[int]) -> bool:
         """Whether a tensor of ``shape`` is kept as rank-``rank`` factors (at least 2-D and
@@ -211,19 +241,33 @@ class LowRankSnapshot(SnapshotStore):
     def capture(self, index: int, tensor: Tensor) -> None:
         t = tensor.detach()
         shape = self._shapes[index]
+        self._last_group = None
         if not self.compresses(shape):
             self._entries[index] = {"dense": t.to(dtype=torch.float32, copy=True)}
             return
-        diff = t.float() - self._refs[index].to(t.device, torch.float32)
-        d = diff.reshape(shape[0], -1)
+        m, n = shape[0], shape.numel() // shape[0]
+        t2, ref = t.reshape(m, n), self._refs[index].reshape(m, n)
+        step = self._group_rows(index)
+
+        def rows_of_diff() -> Iterator[tuple[int, Tensor]]:
+            """``anchor − reference`` a block of rows at a time: no temporary of the tensor's
+            size (whose fresh pages cost more than the arithmetic on a CPU)."""
+            for a in range(0, m, step):
+                yield a, t2[a : a + step].float() - ref[a : a + step].to(t.device, torch.float32)
+
         entry = self._entries[index]
         q = entry.get("V")
         if q is None or not bool((q.norm(dim=0) > 0).all()):
-            q = torch.randn(d.shape[1], self.rank, generator=self._generator).to(d.device)
-        q = torch.linalg.qr(q.to(d.device)).Q
+            q = torch.randn(n, self.rank, generator=self._generator).to(t.device)
+        q = torch.linalg.qr(q.to(t.device)).Q
         for _ in range(self.power_iters):
-            p = torch.linalg.qr(d @ q).Q
-            q = d.T @ p
+            y = torch.empty(m, self.rank, device=t.device)
+            for a, d in rows_of_diff():
+                torch.mm(d, q, out=y[a : a + step])
+            p = torch.linalg.qr(y).Q
+            q = torch.zeros(n, self.rank, device=t.device)
+            for a, d in rows_of_diff():
+                q.addmm_(d.T, p[a : a + step])
         # V doubles as the next capture's warm start (a zero column, e.g. from an all-zero
         # difference, makes the next capture draw a fresh random start instead).
         self._entries[index] = {"U": p, "V": q}
@@ -232,9 +276,39 @@ class LowRankSnapshot(SnapshotStore):
         entry = self._entries[index]
         if "dense" in entry:
             return entry["dense"].to(device=device, dtype=torch.float32, copy=True)
-        out = self._refs[index].to(device=device, dtype=torch.float32, copy=True)
-        out.view(out.shape[0], -1).addmm_(entry["U"].to(device), entry["V"].to(device).T)
-        return out
+        return self.anchor_run(index, 0, self._shapes[index].numel(), device).view(
+            self._shapes[index])
+
+    def anchor_run(self, index: int, start: int, stop: int, device: torch.device) -> Tensor:
+        entry = self._entries[index]
+        if "dense" in entry:
+            return entry["dense"].view(-1)[start:stop].to(device)
+        size = self._group_rows(index) * (self._shapes[index].numel() // self._shapes[index][0])
+        parts = []
+        for g in range(start // size, (stop - 1) // size + 1):
+            rows = self._rebuilt(index, g, device)
+            parts.append(rows[max(start - g * size, 0) : stop - g * size])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _group_rows(self, index: int) -> int:
+        """Rows per group: the anchor is rebuilt, and compressed, a fixed group of rows at a
+        time, so its values do not depend on how a caller splits its runs."""
+        shape = self._shapes[index]
+        return max(1, _CHUNK // (shape.numel() // shape[0]))
+
+    def _rebuilt(self, index: int, group: int, device: torch.device) -> Tensor:
+        """Rows ``group·G … (group+1)·G`` of ``reference + U·Vᵀ``, flattened, fp32; the last
+        group asked for is kept, as runs come in order."""
+        key = (index, group, device)
+        if self._last_group is None or self._last_group[0] != key:
+            shape, entry, g = self._shapes[index], self._entries[index], self._group_rows(index)
+            ref = self._refs[index].reshape(shape[0], -1)[group * g : (group + 1) * g]
+            # One kernel writes reference + U·Vᵀ (no copy of the reference first).
+            rows = torch.addmm(ref.to(device, torch.float32),
+                               entry["U"][group * g : (group + 1) * g].to(device),
+                               entry["V"].to(device).T)
+            self._last_group = (key, rows.view(-1))
+        return self._last_group[1]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for e in self._entries for t in e.values())
@@ -274,6 +348,7 @@ class LowRankSnapshot(SnapshotStore):
             for i, e in enumerate(state["entries"])
         ]
         self._generator.set_state(state["generator"])
+        self._last_group = None
 
     def _entry_device(self, index: int, devices: list[torch.device]) -> torch.device:
         current = self._entries[index]

@@ -123,7 +123,15 @@ def opd_worker(rank: int, tmp: str) -> dict:
                                          fsdp_teacher="shard"), rank, "fixed")
     out["bf16"] = _run(config(tmp_path / "bf16", max_steps=2, fsdp=True,
                               fsdp_mixed_precision="bfloat16"), rank, "hf")
+    # The chunked loss and -KL gate (the lm_head gathered after the root's forward), with a
+    # sharded teacher too.
+    out["chunked"] = _run(config(tmp_path / "chunked", **CHUNKED, fsdp=True, loss_chunk_size=3,
+                                 fsdp_teacher="shard"), rank, "fixed")
     return out
+
+
+# One step of the full-vocabulary loss with a gated search (the -KL gate), as ONE_STEP.
+CHUNKED = dict(ONE_STEP, loss="reverse_kl", extrapolate=True)
 
 
 def single_process_run(out_dir: Path, **kw: Any) -> dict:

@@ -31,7 +31,8 @@ def runs(tmp_path_factory) -> list[dict]:
 def single(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("fsdp_single")
     return {"one_step": fw.single_process_run(tmp / "one", **fw.ONE_STEP),
-            "effopd": fw.single_process_run(tmp / "effopd", max_steps=1, extrapolate=True)}
+            "effopd": fw.single_process_run(tmp / "effopd", max_steps=1, extrapolate=True),
+            "dense": fw.single_process_run(tmp / "dense", **fw.CHUNKED, loss_chunk_size=0)}
 
 
 def _close(a: dict, b: dict, **tol) -> None:
@@ -198,3 +199,18 @@ def test_cli_under_torchrun_trains_checkpoints_and_resumes_sharded(tmp_path):
     assert last.name == "checkpoint-3"
     assert (last / "dcp").is_dir() and (last / "rank0.pt").is_file() and (last / "rank1.pt").is_file()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_the_chunked_loss_and_gate_under_fsdp_are_the_dense_single_process_step(runs, single):
+    """``--loss_chunk_size`` with a sharded student and teacher: the lm_head gathered after the
+    root's forward, its gradient summed back onto the shards, the gate's -KL chunked too."""
+    ref = single["dense"]
+    for r in runs:
+        one = r["chunked"]
+        _close(one["params"], ref["params"], rtol=1e-5, atol=1e-7)
+        assert one["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+        assert one["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)
+        assert one["history"] and one["history"][0]["coefficients"]  # the -KL gate scored
+    moved = max(float((ref["params"][k] - fw.models(fw.tokenizer())[0].state_dict()[k]).abs().max())
+                for k in ref["params"] if k.startswith("lm_head"))
+    assert moved > 1e-4  # the lm_head's own gradient reached it

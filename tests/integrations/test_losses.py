@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from lookahead_opd.integrations.opd import losses as L
+from lookahead_opd.integrations.opd import logits as logits_module
 from lookahead_opd.integrations.opd.losses import (
     LOSS_INPUTS,
     LOSSES,
@@ -102,7 +102,7 @@ def test_token_logprobs_no_grad_chunking_on_a_shifted_view(monkeypatch):
         s.to(torch.bfloat16), tokens, torch.ones(2, 9, dtype=torch.bool)
     )
     full = token_logprobs(lg.float().requires_grad_(True), tok).detach()
-    monkeypatch.setattr(L, "_CHUNK_ELEMENTS", 10)  # 2 rows per chunk: many chunks, ragged tail
+    monkeypatch.setattr(logits_module, "_CHUNK_ELEMENTS", 10)  # 2 rows per chunk: many chunks, ragged tail
     with torch.no_grad():
         chunked = token_logprobs(lg, tok)
     assert chunked.dtype == torch.float32 and chunked.shape == (2, 8)
