@@ -53,7 +53,10 @@ class DemoConfig(_DemoDefaults):
 
     CLI_HIDDEN: ClassVar[tuple[str, ...]] = ("student", "teacher", "extrapolate", "resume",
                                              "overwrite_output_dir", "fsdp", "fsdp_teacher",
-                                             "fsdp_mixed_precision")
+                                             "fsdp_mixed_precision", "teacher_url", "teachers",
+                                             "teacher_key", "default_teacher",
+                                             "teacher_max_inflight", "teacher_timeout",
+                                             "teacher_retries")
 
     cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
                                    "~/.cache/lookahead-opd)")
