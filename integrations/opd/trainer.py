@@ -51,7 +51,7 @@ from .losses import compute_loss, group_advantages, reverse_kl_loss
 from .metrics import MetricsLog
 from .ranks import Ranks
 from .scoring import greedy_accuracy, score_tokens
-from .sharding import require_process_group, shard
+from .sharding import require_process_group, shard, train_top_blocks
 from .tasks import Problem, Task
 from .vocab import check_vocab_compatible
 
@@ -122,6 +122,8 @@ class OPDTrainer:
 
         teacher.requires_grad_(False).eval()
         student.train()
+        if config.train_top_blocks:  # before the optimizer: it takes the trainable weights
+            train_top_blocks(student, config.train_top_blocks)
         self.gate_evals = 0
         self.gate_seconds = 0.0
         self._gate_sequences: dict[str, torch.Tensor] | None = None
