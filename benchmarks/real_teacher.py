@@ -78,14 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     teacher_dir = rl_dir / (rl_dir / "latest").read_text().strip()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from lookahead_opd.integrations.model_sources import resolve_model, write_delta
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.scoring import greedy_accuracy
     from lookahead_opd.integrations.opd.sharding import train_top_blocks
     from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template
     from lookahead_opd.integrations.opd.zoo import pretrain, weight_distance
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
     base_dir = resolve_model(BASE)
