@@ -5,8 +5,10 @@ in its top ``--blocks`` decoder blocks only, stored as a delta of those blocks.
     OMP_NUM_THREADS=1 python -m benchmarks.real_teacher            # run again to continue
 
 Every phase is resumable and writes ``<out>/state.json`` after each step it completes:
-1. ``rl``: ``lookahead-opd train --loss drgrpo`` (a checkpoint every step, ``--resume``);
-   optionally ``--sft_steps`` of SFT on gold solutions first when rewards are too sparse;
+0. ``warmup``: ``--sft_steps`` of SFT on gold solutions in the same blocks (the base's
+   ~10% leaves most 4-sample groups without a correct sample, so no signal); 0 skips it;
+1. ``rl``: ``lookahead-opd train --loss drgrpo`` from there (a checkpoint every step,
+   ``--resume``);
 2. ``measure``: base and teacher greedy accuracy on ``--eval_size`` test problems and
    ``‖T−B‖/‖B‖``;
 3. ``sft``: the reference, the base SFT'd in the same blocks until its probe accuracy reaches
@@ -38,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/real-teacher")
     ap.add_argument("--task", default="wordproblems")
     ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--sft_steps", type=int, default=10)
+    # zoo.pretrain warms its lr up linearly over 50 steps: 10 steps end at a fifth of this.
+    ap.add_argument("--warmup_lr", type=float, default=3e-4)
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--num_samples", type=int, default=4)
@@ -58,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, state_path)
 
+    start_model = BASE
+    if args.sft_steps:
+        start_model = str(out / "warm")
+        if not state.get("warmup_done"):
+            _sft_warmup(args, Path(start_model))
+            state["warmup_done"] = True
+            save()
     rl_dir = out / "rl"
     if not state.get("rl_done"):
-        cmd = [sys.executable, "-m", "lookahead_opd.cli", "train", "--student", BASE,
+        cmd = [sys.executable, "-m", "lookahead_opd.cli", "train", "--student", start_model,
                "--teacher", BASE, "--task", args.task, "--loss", "drgrpo",
                "--num_samples", str(args.num_samples), "--batch_size", str(args.batch_size),
                "--train_top_blocks", str(args.blocks), "--learning_rate", str(args.lr),
@@ -136,6 +148,30 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("delta: %d tensors, %.1f MB; gain %.3f, distance ratio %.3f, accepted %s",
                 len(names), DELTA.stat().st_size / 1e6, gain, ratio, state["accepted"])
     return 0
+
+
+def _sft_warmup(args: argparse.Namespace, out: Path) -> None:
+    """``args.sft_steps`` steps of SFT on gold solutions in the top ``args.blocks`` blocks,
+    saved (with the tokenizer) to ``out``."""
+    import torch
+    from lookahead_opd.integrations.model_sources import resolve_model
+    from lookahead_opd.integrations.opd.sharding import train_top_blocks
+    from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template
+    from lookahead_opd.integrations.opd.zoo import pretrain
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    base_dir = resolve_model(BASE)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    train_top_blocks(model, args.blocks)
+    logger.info("warmup: %d SFT steps at lr %g", args.sft_steps, args.warmup_lr)
+    pretrain(model, tok, with_chat_template(load_task(args.task), tok), steps=args.sft_steps,
+             batch_size=8, lr=args.warmup_lr, seed=args.seed, progress=False, desc="warmup")
+    model.requires_grad_(True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 if __name__ == "__main__":

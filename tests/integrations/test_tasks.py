@@ -108,16 +108,17 @@ def test_longadd_bad_input():
 def test_word_problems_are_seeded_graded_and_worked():
     from lookahead_opd.integrations.opd.tasks import WordProblemTask
 
-    task = load_task("wordproblems:count=300")
+    task = load_task("wordproblems:count=300,ops=agph")
     assert isinstance(task, WordProblemTask) and task.max_new_tokens == 96
-    again, other = load_task("wordproblems:count=300"), load_task("wordproblems:count=300,seed=1")
+    again = load_task("wordproblems:count=300,ops=agph")
+    other = load_task("wordproblems:count=300,ops=agph,seed=1")
     assert task.all_problems("test") == again.all_problems("test") != other.all_problems("test")
     problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
     assert len({p.prompt for p in problems}) == 300
     for p in problems:
         solution = p.meta["solution"]
         assert task.is_correct(solution, p), (p.prompt, solution)
-        assert task.sft_text(p) == p.prompt + solution
+        assert task.sft_text(p) == p.prompt + " " + solution
         # every step's arithmetic in the worked solution is right
         for a, op, b, c in re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution):
             assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
@@ -157,4 +158,4 @@ def test_chat_template_renders_prompts_and_leaves_grading_alone():
             assert p.meta["plain_prompt"] == raw.prompt
     p = chat.problems("test", 1)[0]
     assert chat.is_correct(p.meta["solution"], p) and chat.reward("The answer is -1.", p) == 0.0
-    assert chat.sft_text(p) == p.prompt + p.meta["solution"]
+    assert chat.sft_text(p) == p.prompt + " " + p.meta["solution"]

@@ -1,12 +1,14 @@
 """Generated multi-step arithmetic word problems (GSM8K-like, for a small pretrained LM).
 
-``"Mia has 23 apples. She buys 3 bags of 12 apples. She gives 15 apples to Leo. How many apples
-does Mia have now?"`` with the worked solution ``"Mia starts with 23 apples. 3 bags of 12 is
-3 * 12 = 36, so 23 + 36 = 59. Giving 15 away leaves 59 - 15 = 44. The answer is 44."`` (20–80
-tokens of SmolLM2's tokenizer). ``steps`` operations (add, give away, buy packs, sell half) are
-drawn per problem from a seeded generator; only the final number is graded (``MathAnswerTask``:
-``math-verify``), read after "The answer is" when the completion says it. Sized so that
-SmolLM2-135M-Instruct's greedy accuracy sits between 10% and 50% (``docs/real-model.md``).
+``"Mia has 17 apples. She gets 5 more apples. She gives 9 apples to Leo. How many apples does
+Mia have now?"`` with the worked solution ``"Mia starts with 17 apples. Getting 5 more gives
+17 + 5 = 22. Giving 9 away leaves 22 - 9 = 13. The answer is 13."`` (20–80 tokens of SmolLM2's
+tokenizer). ``steps`` operations are drawn per problem from a seeded generator; only the final
+number is graded (``MathAnswerTask``: ``math-verify``), read after "The answer is" when the
+completion says it. The prompt is the bare question: an added "solve step by step" instruction
+cut the 135M base's accuracy (0–6% on 16–32 problems against 12.5% without). The default,
+two steps of adding and giving away, puts SmolLM2-135M-Instruct's greedy accuracy between 10%
+and 50% (``docs/real-model.md``); ``ops=agph`` (packs, halves) is harder.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ _ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "stamp
           "shells", "coins")
 _CONTAINERS = ("bags", "boxes", "packs", "jars")
 _ANSWER_IS = re.compile(r"answer is\s*:?\s*\$?\s*(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
-INSTRUCTION = "Solve it step by step. End with: The answer is <number>."
 _OPS = {"a": "add", "g": "give", "p": "packs", "h": "half"}
 
 
@@ -38,7 +39,7 @@ class WordProblemTask(MathAnswerTask):
 
     name = "wordproblems"
 
-    def __init__(self, steps: int = 2, ops: str = "agph", count: int = 20_000, seed: int = 0,
+    def __init__(self, steps: int = 2, ops: str = "ag", count: int = 20_000, seed: int = 0,
                  max_new_tokens: int = 96) -> None:
         if not 1 <= steps <= 4:
             raise ValueError(f"steps must be in 1..4, got {steps}")
@@ -59,7 +60,7 @@ class WordProblemTask(MathAnswerTask):
             if question in seen:
                 continue
             seen.add(question)
-            yield question, Problem(f"{question}\n{INSTRUCTION}", str(answer),
+            yield question, Problem(question, str(answer),
                                     {"solution": solution})
 
     def extract_answer(self, completion: str) -> str | None:
@@ -69,21 +70,22 @@ class WordProblemTask(MathAnswerTask):
         return super().extract_answer(completion)
 
     def sft_text(self, problem: Problem) -> str:
-        return problem.prompt + problem.meta["solution"]
+        sep = "" if problem.prompt[-1:].isspace() else " "  # a chat prompt ends in a newline
+        return problem.prompt + sep + problem.meta["solution"]
 
 
 def _problem(rng: random.Random, steps: int, ops: list[str]) -> tuple[str, str, int]:
     """One problem: the question, its worked solution, and the answer."""
     name, pron = rng.choice(_NAMES)
     item = rng.choice(_ITEMS)
-    n = rng.randint(3, 20)
+    n = rng.randint(2, 12)
     story, work = [f"{name} has {n} {item}."], [f"{name} starts with {n} {item}."]
     for _ in range(steps):
         kind = rng.choice(ops)
         if (kind == "half" and n % 2) or (kind == "give" and n < 3):
             kind = "add"  # keep every amount a positive integer
         if kind == "add":
-            k = rng.randint(1, 12)
+            k = rng.randint(1, 9)
             story.append(f"{pron} gets {k} more {item}.")
             work.append(f"Getting {k} more gives {n} + {k} = {n + k}.")
             n += k
