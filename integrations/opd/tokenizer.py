@@ -33,4 +33,6 @@ def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
         bos_token="<bos>",
         eos_token="<eos>",
         unk_token="<unk>",
+        # transformers 4.x would also return token_type_ids, which generate() refuses.
+        model_input_names=["input_ids", "attention_mask"],
     )

@@ -167,8 +167,11 @@ def test_fsdp2_matches_single_process(tmp_path):
         assert got["scores"] == pytest.approx(want["scores"], rel=1e-5, abs=1e-7)
         # Shards sketch their part of the global tensor: the cosine is the unsharded run's.
         for key in ("secant_cosine", "norm_ratio"):
-            assert (got[key] is None) == (want[key] is None)
-            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6)
+            # None at the first search (no previous direction); pytest >= 9 refuses approx(None).
+            if want[key] is None:
+                assert got[key] is None
+            else:
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6)
     for name, p in ref["params"].items():
         torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=1e-6)
 

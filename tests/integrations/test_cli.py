@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import tiny_qwen2
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from lookahead_opd import cli  # noqa: E402
 
@@ -265,7 +265,10 @@ def loading_bars():
 def test_no_progress_silences_every_bar_and_one_thread(tmp_path, capsys, models,
                                                       loading_bars):
     assert cli.main(_train_args(models, tmp_path / "a", "--progress", "true")) == 0
-    assert "Loading weights" in capsys.readouterr().err  # the bars exist ...
+    err = capsys.readouterr().err
+    assert "OPD:" in err  # the bars exist ...
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.x shows no bar for one shard
+        assert "Loading weights" in err
     torch.set_num_threads(2)
     try:
         _run(capsys, _train_args(models, tmp_path / "b"), 0)
