@@ -6,9 +6,10 @@ Mia have now?"`` with the worked solution ``"Mia starts with 17 apples. Getting 
 tokenizer). ``steps`` operations are drawn per problem from a seeded generator; only the final
 number is graded (``MathAnswerTask``: ``math-verify``), read after "The answer is" when the
 completion says it. The prompt is the bare question: an added "solve step by step" instruction
-cut the 135M base's accuracy (0–6% on 16–32 problems against 12.5% without). The default,
-two steps of adding and giving away, puts SmolLM2-135M-Instruct's greedy accuracy between 10%
-and 50% (``docs/real-model.md``); ``ops=agph`` (packs, halves) is harder.
+cut the 135M base's accuracy (0–6% on 16–32 problems against 12.5% without). With the default,
+two steps of adding and giving away, SmolLM2-135M-Instruct's greedy accuracy was 8.3% on 96
+problems, just under the 10–50% aimed at (``docs/real-model.md``); ``steps=1`` is easier,
+``ops=agph`` (packs, halves) harder.
 """
 
 from __future__ import annotations
@@ -78,14 +79,14 @@ def _problem(rng: random.Random, steps: int, ops: list[str]) -> tuple[str, str, 
     """One problem: the question, its worked solution, and the answer."""
     name, pron = rng.choice(_NAMES)
     item = rng.choice(_ITEMS)
-    n = rng.randint(2, 12)
+    n = rng.randint(3, 20)
     story, work = [f"{name} has {n} {item}."], [f"{name} starts with {n} {item}."]
     for _ in range(steps):
         kind = rng.choice(ops)
         if (kind == "half" and n % 2) or (kind == "give" and n < 3):
             kind = "add"  # keep every amount a positive integer
         if kind == "add":
-            k = rng.randint(1, 9)
+            k = rng.randint(1, 12)
             story.append(f"{pron} gets {k} more {item}.")
             work.append(f"Getting {k} more gives {n} + {k} = {n + k}.")
             n += k
