@@ -48,11 +48,19 @@ def check_device(device: str) -> None:
 
 
 def check_model_ref(role: str, ref: str) -> None:
-    """``ref`` must be a saved model directory, or a Hub id that is in the local Hugging Face
-    cache or that the Hub has. Asked once, without retries: an unreachable Hub fails here in
-    seconds instead of after the download's minute of retries."""
+    """``ref`` must be a saved model directory, a named model source (``model_sources``: no
+    network; only its extra is checked here, the conversion runs when the model loads), or a
+    Hub id that is in the local Hugging Face cache or that the Hub has. Asked once, without
+    retries: an unreachable Hub fails here in seconds instead of after the download's minute
+    of retries."""
+    from .model_sources import SOURCES, check_source, is_named_source
+
     if not ref:
-        raise ValueError(f"--{role} is required (a Hugging Face model id or a local directory)")
+        raise ValueError(f"--{role} is required (a Hugging Face model id, a local directory, or "
+                         f"one of the named sources {', '.join(SOURCES)})")
+    if is_named_source(ref):
+        check_source(ref)
+        return
     path = Path(ref).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

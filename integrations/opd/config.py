@@ -54,8 +54,10 @@ class OPDConfig(EffOPDOptions):
     search's (``EffOPDOptions``, from the core's ``ExtrapolationOptions``)."""
 
     # models and data
-    student: str = option("", "student: a Hugging Face causal LM id or local directory")
-    teacher: str = option("", "teacher: a Hugging Face causal LM id or local directory")
+    student: str = option("", "student: a Hugging Face causal LM id, a local directory, or a "
+                          "named source (smollm2-135m-gguf: the real SmolLM2-135M, no Hub)")
+    teacher: str = option("", "teacher: a Hugging Face causal LM id, a local directory, or a "
+                          "named source")
     teacher_url: list[str] = option([], "the teacher behind vLLM's OpenAI-compatible server "
                                     "(`vllm serve`), instead of --teacher: one URL, or several "
                                     "serving the same model (least-in-flight balancing)")
@@ -77,6 +79,10 @@ class OPDConfig(EffOPDOptions):
         "task spec: arithmetic[:key=value,...], longadd[:digits=4], gsm8k:path=FILE|name=HUB_ID, "
         "or module:Class",
     )
+    chat_template: bool = option(True, "render prompts through the student tokenizer's chat "
+                                 "template when it has one (instruct models)",
+                                 negated_help="plain prompts, even when the tokenizer has a chat "
+                                              "template")
     output_dir: str = option("runs/opd", "where checkpoints, metrics.jsonl and plots go")
     # rollouts
     engine: str = option("hf", "rollout engine", choices=_ENGINES)
@@ -101,6 +107,8 @@ class OPDConfig(EffOPDOptions):
         "default: 128 when a micro-batch's largest completion (rows x max_new_tokens) x vocab "
         "reaches 2^26 logits, dense below")
     gradient_accumulation_steps: int = option(1, "micro-batches per optimizer step", minimum=1)
+    train_top_blocks: int = option(0, "train only the top k decoder blocks (0: every weight); "
+                                   "the rest, embeddings and lm_head stay frozen", minimum=0)
     # optimizer
     optimizer: str = option("adamw", "base optimizer: adamw, adam, sgd, prodigy, mechanic:<name> "
                             "(Mechanic around <name>), or an import path (torch.optim.RAdam, "
@@ -161,6 +169,9 @@ class OPDConfig(EffOPDOptions):
         if self.fsdp and self.ema_decay is not None:
             raise ValueError("ema_decay is not supported with fsdp (the average would be a full "
                              "replica of the student on every rank); drop --ema_decay")
+        if self.fsdp and self.train_top_blocks:
+            raise ValueError("train_top_blocks is not supported with fsdp (a sharded block mixes "
+                             "frozen and trained weights); drop one of them")
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if not 0 <= self.momentum < 1:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["require_process_group", "decoder_blocks", "shard", "is_sharded", "reshard",
+__all__ = ["require_process_group", "decoder_blocks", "train_top_blocks", "shard", "is_sharded", "reshard",
            "gathered_weights", "save_state", "load_state", "resident_nbytes"]
 
 
@@ -51,6 +51,22 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"{type(model).__name__} names no decoder block class in "
                          f"_no_split_modules (got {sorted(names)}); --fsdp shards one block at a time")
     return blocks
+
+
+def train_top_blocks(model: nn.Module, k: int) -> list[str]:
+    """Freeze every weight of ``model`` except those of its top ``k`` decoder blocks (the last
+    ``k`` of ``decoder_blocks``); embeddings, the final norm and ``lm_head`` stay frozen.
+    Returns the names left trainable. Simpler than LoRA: the trained weights are ordinary
+    weights, so the gated jump extrapolates them directly (no adapter product to keep), and a
+    delta of those blocks alone rebuilds the model."""
+    blocks = decoder_blocks(model)
+    if not 1 <= k <= len(blocks):
+        raise ValueError(f"train_top_blocks must be in 1..{len(blocks)} for "
+                         f"{type(model).__name__} ({len(blocks)} decoder blocks), got {k}")
+    model.requires_grad_(False)
+    for block in blocks[-k:]:
+        block.requires_grad_(True)
+    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:

@@ -38,8 +38,9 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..model_sources import resolve_model
     from .engines import make_engine
-    from .tasks import load_task
+    from .tasks import load_task, with_chat_template
     from .trainer import OPDTrainer
 
     _init_distributed(config)
@@ -50,23 +51,25 @@ def build_trainer(config: OPDConfig, *, validate: bool = True):
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)  # validated: float32 | bfloat16 | float16
     task = load_task(config.task)
-    tokenizer = AutoTokenizer.from_pretrained(config.student)
+    student_path, teacher_path = resolve_model(config.student), resolve_model(config.teacher)
+    tokenizer = AutoTokenizer.from_pretrained(student_path)
     if tokenizer.pad_token is None:  # decoder-only LMs often have none; batching needs one
         tokenizer.pad_token = tokenizer.eos_token
+    task = with_chat_template(task, tokenizer, config.chat_template)
     # With --fsdp a model to be sharded stays on the CPU: OPDTrainer shards it onto the device
     # one block at a time, so no GPU ever holds the full model.
     teacher = _served_teacher(config, tokenizer, task)  # its checks before any model loads
-    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype)
+    student = AutoModelForCausalLM.from_pretrained(student_path, dtype=dtype)
     if config.teachers:
         teacher = _teacher_router(config, tokenizer, task, student, dtype)
     elif teacher is None:
-        teacher = AutoModelForCausalLM.from_pretrained(config.teacher, dtype=dtype)
+        teacher = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=dtype)
         if not (config.fsdp and config.fsdp_teacher == "shard"):
             teacher = teacher.to(config.device)
     if not config.fsdp:
         student = student.to(config.device)
     if config.engine == "vllm":
-        engine = make_engine("vllm", config.student, tokenizer,
+        engine = make_engine("vllm", student_path, tokenizer,
                              dtype=config.vllm_dtype or config.dtype, seed=config.seed,
                              gpu_memory_utilization=config.vllm_gpu_memory_utilization)
     else:
@@ -93,6 +96,7 @@ def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
     served ones probed, then the in-process ones loaded; a ``TeacherRouter`` over them."""
     from transformers import AutoModelForCausalLM
 
+    from ..model_sources import resolve_model
     from .losses import teacher_needs
     from .routing import TeacherRouter, teacher_names
     from .served import connect
@@ -113,7 +117,8 @@ def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
                 for name, ref in refs.items() if isinstance(ref, list)}
     for name, ref in refs.items():
         if not isinstance(ref, list):
-            model = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype).to(config.device)
+            model = AutoModelForCausalLM.from_pretrained(resolve_model(ref), dtype=dtype)
+            model = model.to(config.device)
             size = check_vocab_compatible(student, model, tokenizer=tokenizer)
             teachers[name] = ModelTeacher(model.requires_grad_(False).eval(), size)
     return TeacherRouter({n: teachers[n] for n in refs}, config.teacher_key,

@@ -54,7 +54,7 @@ from .optimizers import OptimizerFactory, build_optimizer, optimizer_kwargs
 from .ranks import Ranks
 from .routing import TeacherRouter
 from .scoring import greedy_accuracy, loss_chunk_rows, score_tokens
-from .sharding import require_process_group, shard
+from .sharding import require_process_group, shard, train_top_blocks
 from .tasks import Problem, Task
 from .teacher import ModelTeacher, Teacher, TeacherNeeds, TeacherScores
 from .vocab import check_vocab_compatible
@@ -155,6 +155,8 @@ class OPDTrainer:
         if config.extrapolate and config.gate == "neg_kl":
             self.teacher_scorer.check(TeacherNeeds.FULL, "--gate neg_kl")
         student.train()
+        if config.train_top_blocks:  # before the optimizer: it takes the trainable weights
+            train_top_blocks(student, config.train_top_blocks)
         self.gate_evals = 0
         self.gate_seconds = 0.0
         self._gate_sequences: dict[str, torch.Tensor] | None = None

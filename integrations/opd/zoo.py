@@ -136,19 +136,24 @@ def make_model(tokenizer: Any, size: str, seed: int, context: int = 64) -> nn.Mo
 
 
 def _sft_batch(tokenizer: Any, problems: list[Problem], task: Task) -> tuple[torch.Tensor, ...]:
-    """Right-padded ``<bos> prompt answer <eos>`` with labels on the answer and EOS only."""
+    """Right-padded ``<bos> prompt answer <eos>`` (BOS as the engines add it) with labels on
+    the answer and EOS only. The attention mask comes from each row's length, not from the pad
+    id: in ChatML models eos = pad, and the prompt's own ``<|im_end|>`` tokens must be seen."""
+    from .engines import tokenize_prompts
+
     rows, labels = [], []
-    for p in problems:
-        prompt = [tokenizer.bos_token_id, *tokenizer(p.prompt, add_special_tokens=False)["input_ids"]]
-        full = tokenizer(task.sft_text(p), add_special_tokens=False)["input_ids"]
-        ids = [tokenizer.bos_token_id, *full, tokenizer.eos_token_id]
+    prompts = tokenize_prompts(tokenizer, [p.prompt for p in problems])
+    fulls = tokenize_prompts(tokenizer, [task.sft_text(p) for p in problems])
+    for prompt, full in zip(prompts, fulls, strict=True):
+        ids = [*full, tokenizer.eos_token_id]
         rows.append(ids)
         labels.append([-100] * len(prompt) + ids[len(prompt):])
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
-    return ids, (ids != pad).long(), lab
+    return ids, mask, lab
 
 
 def greedy_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,

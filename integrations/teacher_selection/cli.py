@@ -35,7 +35,8 @@ __all__ = ["DiagnoseConfig", "parse_config", "prepare", "run", "main"]
 class DiagnoseConfig:
     """Options of ``lookahead-opd diagnose`` (see ``diagnose()`` for what each one does)."""
 
-    student: str = option("", "student: a Hugging Face causal LM id or local directory")
+    student: str = option("", "student: a Hugging Face causal LM id, local directory or named "
+                          "source (smollm2-135m-gguf)")
     teacher: list[str] = option([], "teacher(s): model id/directory or "
                                 f"self:{'|'.join(SELF_CONTEXTS)}; repeat the flag or give several")
     task: str = option("arithmetic",
@@ -132,16 +133,18 @@ def prepare(config: DiagnoseConfig):
     from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoTokenizer
 
+    from ..model_sources import resolve_model
     from .teachers import parse_teacher_spec
 
-    tokenizer = AutoTokenizer.from_pretrained(config.student)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.student))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     for t in config.teacher:
         spec = parse_teacher_spec(t)
         if spec.kind == "model":
             try:
-                check_vocab_compatible(tokenizer, AutoTokenizer.from_pretrained(spec.path))
+                check_vocab_compatible(tokenizer,
+                                       AutoTokenizer.from_pretrained(resolve_model(spec.path)))
             except (OSError, ValueError) as err:
                 raise ValueError(
                     f"teacher {t!r} does not share the student's tokenizer: {err}") from None
@@ -156,12 +159,14 @@ def run(config: DiagnoseConfig, tokenizer: Any = None):
     from lookahead_opd.integrations.opd.tasks import load_task
     from transformers import AutoModelForCausalLM
 
+    from ..model_sources import resolve_model
     from .diagnose import diagnose
 
     if tokenizer is None:
         tokenizer = prepare(config)
     dtype = getattr(torch, config.dtype)
-    student = AutoModelForCausalLM.from_pretrained(config.student, dtype=dtype).to(config.device)
+    student = AutoModelForCausalLM.from_pretrained(resolve_model(config.student),
+                                                   dtype=dtype).to(config.device)
     engine = HFEngine(student, tokenizer, batch_size=config.batch_size)
     report = diagnose(
         student, list(config.teacher), load_task(config.task), budget=config.budget,

@@ -152,6 +152,9 @@ def _load_teacher(path: str, tokenizer: Any, dtype: torch.dtype | None, device: 
                   name: str) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..model_sources import resolve_model
+
+    path = resolve_model(path)
     try:
         t_tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -102,3 +103,59 @@ def test_longadd_bad_input():
 
     with pytest.raises(ValueError, match="operands must be in 0..999"):
         worked_addition(1000, 1, 3)
+
+
+def test_word_problems_are_seeded_graded_and_worked():
+    from lookahead_opd.integrations.opd.tasks import WordProblemTask
+
+    task = load_task("wordproblems:count=300,ops=agph")
+    assert isinstance(task, WordProblemTask) and task.max_new_tokens == 96
+    again = load_task("wordproblems:count=300,ops=agph")
+    other = load_task("wordproblems:count=300,ops=agph,seed=1")
+    assert task.all_problems("test") == again.all_problems("test") != other.all_problems("test")
+    problems = [p for s in ("train", "gate", "test") for p in task.all_problems(s)]
+    assert len({p.prompt for p in problems}) == 300
+    for p in problems:
+        solution = p.meta["solution"]
+        assert task.is_correct(solution, p), (p.prompt, solution)
+        assert task.sft_text(p) == p.prompt + " " + solution
+        # every step's arithmetic in the worked solution is right
+        for a, op, b, c in re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution):
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
+                    "/": int(a) // int(b)}[op] == int(c)
+    p = problems[0]
+    wrong = str(int(p.answer) + 1)
+    assert task.is_correct(f"so {wrong} - 1 = {p.answer}. The answer is {p.answer}.", p)
+    assert not task.is_correct(f"{p.answer} apples. The answer is {wrong}.", p)
+    assert not task.is_correct("I do not know.", p)
+    with pytest.raises(ValueError, match="steps must be in 1..4"):
+        load_task("wordproblems:steps=5")
+    with pytest.raises(ValueError, match="ops must be"):
+        load_task("wordproblems:ops=ax")
+
+
+def test_chat_template_renders_prompts_and_leaves_grading_alone():
+    from lookahead_opd.integrations.opd.tasks import ChatTemplateTask, with_chat_template
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
+
+    task = load_task("wordproblems:count=200")
+    plain_tok = char_tokenizer()
+    assert with_chat_template(task, plain_tok) is task  # no chat template: unchanged
+
+    class Templated:
+        chat_template = "yes"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert not tokenize and add_generation_prompt and len(messages) == 1
+            return f"<user>{messages[0]['content']}</user><bot>"
+
+    assert with_chat_template(task, Templated(), enabled=False) is task
+    chat = with_chat_template(task, Templated())
+    assert isinstance(chat, ChatTemplateTask) and chat.max_new_tokens == task.max_new_tokens
+    for split in ("train", "test"):
+        for raw, p in zip(task.all_problems(split), chat.all_problems(split), strict=True):
+            assert p.prompt == f"<user>{raw.prompt}</user><bot>" and p.answer == raw.answer
+            assert p.meta["plain_prompt"] == raw.prompt
+    p = chat.problems("test", 1)[0]
+    assert chat.is_correct(p.meta["solution"], p) and chat.reward("The answer is -1.", p) == 0.0
+    assert chat.sft_text(p) == p.prompt + " " + p.meta["solution"]

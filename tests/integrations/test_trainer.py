@@ -183,3 +183,23 @@ def test_drgrpo_moves_only_on_reward_differences(tmp_path, tokenizer):
     t.task.reward = lambda completion, problem: float(completion[:1] == "1")
     t.train()
     assert any(not torch.equal(v, start[k]) for k, v in t.student.state_dict().items())
+
+
+def test_train_top_blocks_trains_and_jumps_only_the_top_blocks(tmp_path, tokenizer):
+    t = _trainer(tmp_path, tokenizer, train_top_blocks=1, extrapolate=True, gate="none",
+                 max_steps=2)
+    start = {k: v.clone() for k, v in t.student.state_dict().items()}
+    t.train()
+    changed = {k for k, v in t.student.state_dict().items() if not torch.equal(v, start[k])}
+    assert changed and all(k.startswith("model.layers.1.") for k in changed), changed
+    trained = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in t.student.model.layers[1].parameters()}
+
+
+def test_train_top_blocks_bad_values(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match=r"train_top_blocks must be in 1\.\.2"):
+        _trainer(tmp_path, tokenizer, train_top_blocks=3)
+    with pytest.raises(ValueError, match="train_top_blocks"):
+        OPDConfig(train_top_blocks=-1).validate(check_paths=False)
+    with pytest.raises(ValueError, match="not supported with fsdp"):
+        OPDConfig(train_top_blocks=1, fsdp=True).validate(check_paths=False)

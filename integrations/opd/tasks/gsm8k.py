@@ -10,14 +10,40 @@ from collections.abc import Iterator
 
 from .base import Problem, Task
 
-__all__ = ["GSM8KTask"]
+__all__ = ["GSM8KTask", "MathAnswerTask"]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 PROMPT = "Question: {question}\nAnswer: Let's think step by step."
 
 
-class GSM8KTask(Task):
+class MathAnswerTask(Task):
+    """A task whose completions end in a number: read after ``####``, else the last
+    ``\\boxed{}``, else the last number; graded with ``math-verify`` when installed."""
+
+    def extract_answer(self, completion: str) -> str | None:
+        marked = re.search(r"####\s*(.+)", completion)
+        number = _NUMBER.search(marked.group(1)) if marked else None
+        if number:
+            return number.group(0).replace(",", "")
+        boxed = _BOXED.findall(completion)
+        if boxed:
+            return boxed[-1].strip()
+        numbers = _NUMBER.findall(completion)
+        return numbers[-1].replace(",", "") if numbers else None
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        got = self.extract_answer(completion)
+        if got is None:
+            return False
+        try:
+            from math_verify import parse, verify
+        except ImportError:
+            return _same_number(got, problem.answer)
+        return bool(verify(parse(problem.answer), parse(got))) or _same_number(got, problem.answer)
+
+
+class GSM8KTask(MathAnswerTask):
     """Rows with ``question`` and ``answer`` (GSM8K's ``"... #### 42"``). ``path`` is a local
     ``.jsonl``/``.json``/``.parquet`` file, ``name`` a ``datasets`` hub id (``split`` of it).
     The file's rows are divided into train/gate/test by a stable hash of the question."""
@@ -51,27 +77,6 @@ class GSM8KTask(Task):
             gold = row["answer"].split("####")[-1].strip().replace(",", "")
             yield row["question"], Problem(self.template.format(question=row["question"]), gold,
                                            {"solution": row["answer"]})
-
-    def extract_answer(self, completion: str) -> str | None:
-        marked = re.search(r"####\s*(.+)", completion)
-        number = _NUMBER.search(marked.group(1)) if marked else None
-        if number:
-            return number.group(0).replace(",", "")
-        boxed = _BOXED.findall(completion)
-        if boxed:
-            return boxed[-1].strip()
-        numbers = _NUMBER.findall(completion)
-        return numbers[-1].replace(",", "") if numbers else None
-
-    def is_correct(self, completion: str, problem: Problem) -> bool:
-        got = self.extract_answer(completion)
-        if got is None:
-            return False
-        try:
-            from math_verify import parse, verify
-        except ImportError:
-            return _same_number(got, problem.answer)
-        return bool(verify(parse(problem.answer), parse(got))) or _same_number(got, problem.answer)
 
     def sft_text(self, problem: Problem) -> str:
         return problem.prompt + " " + problem.meta.get("solution", problem.answer)

@@ -13,6 +13,7 @@ from .arithmetic import ArithmeticTask
 from .base import Task
 from .gsm8k import GSM8KTask
 from .longadd import LongAdditionTask
+from .wordproblems import WordProblemTask
 
 __all__ = ["TASKS", "load_task"]
 
@@ -21,6 +22,7 @@ TASKS: dict[str, type[Task]] = {
     ArithmeticTask.name: ArithmeticTask,
     LongAdditionTask.name: LongAdditionTask,
     GSM8KTask.name: GSM8KTask,
+    WordProblemTask.name: WordProblemTask,
 }
 
 
