@@ -116,6 +116,8 @@ class GGUFWheelSource:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .opd.tokenizer import save_tokenizer
+
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{self.name}-"))
         try:
@@ -141,7 +143,9 @@ class GGUFWheelSource:
                 del model.config.quantization_config
             out = tmp / "model"
             model.save_pretrained(out)
-            tokenizer.save_pretrained(out)
+            if tokenizer.pad_token is None:  # transformers 4.x drops the GGUF's pad (= eos)
+                tokenizer.pad_token = tokenizer.eos_token
+            save_tokenizer(tokenizer, out)
             digest = weights_digest(out)
             if digest != self.weights_sha256:
                 import transformers

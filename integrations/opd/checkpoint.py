@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .tokenizer import save_tokenizer
+
 __all__ = ["write_checkpoint", "latest_checkpoint", "read_checkpoint", "read_newest_checkpoint",
            "set_aside", "earlier_run", "clear_earlier_run", "write_sharded_checkpoint",
            "read_sharded_checkpoint"]
@@ -49,7 +51,7 @@ def write_checkpoint(output_dir: Path, step: int, *, model: nn.Module, tokenizer
     tmp.mkdir()
     model.save_pretrained(tmp)
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     torch.save(state, tmp / STATE)
     config.save(tmp / CONFIG)
     _publish(output_dir, tmp, final)
@@ -96,7 +98,7 @@ def write_sharded_checkpoint(output_dir: Path, step: int, *, model: nn.Module,
     ranks.barrier()
     if ranks.is_main:
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
         _save_synced({**state, "world": ranks.world}, tmp / STATE)
         config.save(tmp / CONFIG)
         _publish(output_dir, tmp, final)

@@ -7,9 +7,13 @@ it exactly and vLLM can load it from the model directory.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["SPECIAL_TOKENS", "CHARS", "char_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "CHARS", "char_tokenizer", "save_tokenizer"]
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = "0123456789+-*=() "
@@ -36,3 +40,17 @@ def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
         # transformers 4.x would also return token_type_ids, which generate() refuses.
         model_input_names=["input_ids", "attention_mask"],
     )
+
+
+def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
+    """``save_pretrained``, readable by transformers 4.x too: 5.x names the fast tokenizer's class
+    ``TokenizersBackend``, which 4.x cannot load; ``PreTrainedTokenizerFast`` is the same class
+    under the name both know. Models saved here (zoo pairs, the real model's cache,
+    checkpoints) then load under every transformers the bounds allow."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        if config.get("tokenizer_class") == "TokenizersBackend":
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -43,7 +43,7 @@ from lookahead_opd.options import check_choice
 
 from ..cli_support import check_device
 from .tasks import SPLITS, Problem, Task, load_task
-from .tokenizer import char_tokenizer
+from .tokenizer import char_tokenizer, save_tokenizer
 
 __all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "context_length", "make_model", "pretrain", "greedy_accuracy",
            "build_pair", "remove_stale_builds", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
@@ -423,7 +423,7 @@ class _Builder:
 
     def save(self, model: nn.Module, role: str) -> None:
         model.save_pretrained(self.work / role)
-        self.tokenizer.save_pretrained(self.work / role)
+        save_tokenizer(self.tokenizer, self.work / role)
 
     def base(self, target: float, task: Task | None = None, init: nn.Module | None = None,
              phase: str = "base", ceiling: float = 1.0) -> tuple[nn.Module, int, float]:

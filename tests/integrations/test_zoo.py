@@ -136,3 +136,21 @@ def test_a_base_that_jumps_past_the_range_is_retrained_from_the_last_probe(tmp_p
     _, steps, _ = builder.base(0.25, init=model, ceiling=0.40)
     # Back to step 425 (the last probe under 0.25), then probes at 430, 435: 0.2, 0.3.
     assert steps == 435 and builder.acc(model, None) == pytest.approx(0.3)
+
+
+def test_saved_tokenizer_names_a_class_every_transformers_loads(tmp_path):
+    """transformers 5 writes ``TokenizersBackend``, which 4.x cannot load; the zoo, the real
+    model's cache and checkpoints write ``PreTrainedTokenizerFast`` (the same class in 5.x)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer, save_tokenizer
+
+    tok = char_tokenizer()
+    save_tokenizer(tok, tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    back = AutoTokenizer.from_pretrained(tmp_path)
+    assert back("12+3=15")["input_ids"] == tok("12+3=15")["input_ids"]
+    assert "token_type_ids" not in back("1+1")
