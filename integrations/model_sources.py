@@ -143,8 +143,14 @@ class GGUFWheelSource:
                 del model.config.quantization_config
             out = tmp / "model"
             model.save_pretrained(out)
-            if tokenizer.pad_token is None:  # transformers 4.x drops the GGUF's pad (= eos)
-                tokenizer.pad_token = tokenizer.eos_token
+            # ChatML ends a turn with <|im_end|>, which is this model's eos and pad (as
+            # transformers 5 reads the GGUF); transformers 4.x reads eos as <|im_start|> and no
+            # pad, so both are set here and the cache is the same under every version.
+            tokenizer.eos_token = tokenizer.pad_token = "<|im_end|>"
+            end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+            for cfg in (model.config, model.generation_config):
+                if cfg is not None:
+                    cfg.eos_token_id = cfg.pad_token_id = end
             save_tokenizer(tokenizer, out)
             digest = weights_digest(out)
             if digest != self.weights_sha256:

@@ -143,9 +143,8 @@ def test_saved_tokenizer_names_a_class_every_transformers_loads(tmp_path):
     model's cache and checkpoints write ``PreTrainedTokenizerFast`` (the same class in 5.x)."""
     import json
 
-    from transformers import AutoTokenizer
-
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer, save_tokenizer
+    from transformers import AutoTokenizer
 
     tok = char_tokenizer()
     save_tokenizer(tok, tmp_path)
