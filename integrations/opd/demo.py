@@ -47,7 +47,7 @@ __all__ = ["DemoConfig", "run_demo", "main", "format_table", "conclusion", "read
 # seed-0 runs: 512 prompts per step, the full-vocabulary reverse KL (the sampled-token
 # reverse_kl_pg barely learns this task), no lr warm-up (early kept jumps mostly made up for a
 # warm-up, regimes-nowarmup), greedy accuracy every 4 steps on the whole test split (973
-# problems), EffOPD gated on −reverse KL over 128 fixed rollouts, a 300-step cap.
+# problems; ``eval_size`` is capped at the split), EffOPD gated on −reverse KL over 128 fixed rollouts, a 300-step cap.
 _DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=300, batch_size=512,
                               learning_rate=5e-4, warmup_steps=0, loss="reverse_kl",
                               eval_every=4, eval_size=1000, gate="neg_kl", gate_size=128)
@@ -129,15 +129,18 @@ def _run_one(cfg: DemoConfig, models: dict[str, Any], run: dict[str, Any],
     from .compare import run_variant
     from .tasks import load_task
 
+    task = load_task(cfg.task)
     config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
                           "student": models["student_path"], "teacher": models["teacher_path"],
                           "output_dir": str(Path(cfg.output_dir) / run["name"]),
                           "learning_rate": run["lr"], "extrapolate": False, "lr_follow": None,
                           **run["fields"], "stop_at_accuracy": stop_at, "resume": False,
-                          "overwrite_output_dir": True})  # each demo remakes its runs
+                          "overwrite_output_dir": True,  # each demo remakes its runs
+                          # at most the whole test split (the default asks for all of it)
+                          "eval_size": min(cfg.eval_size, len(task.problems("test")))})
     # The engine batch of benchmarks/harness.py's runs, so the demo reruns lr_basin's.
-    return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
-                       models["tokenizer"], engine_batch_size=1024)
+    return run_variant(config, models["student"], models["teacher"], task, models["tokenizer"],
+                       engine_batch_size=1024)
 
 
 def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path, Path]:
