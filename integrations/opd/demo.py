@@ -331,8 +331,8 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("OPD step")
     ax.set_ylabel("greedy accuracy (held-out)")
     ax.legend(loc="lower right", fontsize=7)
-    ax.set_title("From a conservative lr: plain OPD vs EffOPD (reference: plain at the best lr)",
-                 fontsize=9)
+    ax.set_title("From a conservative lr: plain OPD vs EffOPD (dashed: plain OPD at the "
+                 "reference lr)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
