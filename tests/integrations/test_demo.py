@@ -70,6 +70,30 @@ def test_demo_no_follow_runs_three(tmp_path):
     assert names == ["reference", "plain", "effopd"]
 
 
+def test_the_conclusion_follows_the_numbers():
+    from lookahead_opd.integrations.opd.demo import conclusion
+
+    def run(steps, gate_evals=0, kept=0, searches=0):
+        return {"steps_0.75": steps, "gate_evals": gate_evals, "gate_seconds": 0.5,
+                "train_clock": 10.0, "accepted_jumps": kept, "searches": searches}
+
+    def say(ref, plain, eff):
+        return conclusion({"lrs": {"reference": 5e-4, "conservative": 5e-4 / 16},
+                           "config": {"max_steps": 300, "conservative": 1 / 16},
+                           "targets": {"0.75": 0.6, "0.9": 0.7},
+                           "runs": {"reference": run(ref), "plain": run(plain),
+                                    "effopd": run(eff, 37, 8, 9)}})
+
+    part = say(28, 216, 176)
+    assert "from lr 3.125e-05" in part and "EffOPD 176, plain OPD 216" in part
+    assert "reference lr 28" in part and "37 evaluations" in part and "kept 8 of 9" in part
+    assert "part of the too-small lr (40 steps fewer than plain)" in part and "6.3x faster" in part
+    assert "cost nothing" in say(28, 216, 28) and "cost nothing" in say(None, 216, 100)
+    assert "plain did not get there" in say(28, None, 200)
+    assert "EffOPD not reached" in say(28, 216, None) and "did not get there" in say(28, 216, None)
+    assert "no faster than plain" in say(28, 216, 216)
+
+
 def test_demo_rejects_bad_regime(tmp_path):
     from lookahead_opd.integrations.opd.demo import DemoConfig, run_demo
 
