@@ -18,10 +18,14 @@ own questions (which runs, what to compare, the report).
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import json
 import math
+import os
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -78,7 +82,6 @@ class Pairs:
         key = (task_spec, teacher, size)
         if key not in self._pairs:
             from lookahead_opd.integrations.opd.zoo import build_pair
-            from transformers import AutoModelForCausalLM, AutoTokenizer
 
             regime = TEACHERS.get(teacher, teacher)
             extra = {"retain": [RETENTION["held_out"]]} if regime == "retention" else {}
@@ -90,16 +93,27 @@ class Pairs:
                 self._pairs[key] = {"error": f"{type(err).__name__}: {err}"}
                 return self._pairs[key]
 
-            def load(path: Path) -> Any:
-                return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-
-            self._pairs[key] = {
-                "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
-                "student": load(pair.student_path), "teacher": load(pair.teacher_path),
-                "accuracies": pair.accuracies, "path": str(pair.student_path),
-                "build": Path(pair.student_path).parent.name,
-            }
+            self._pairs[key] = {**load_pair(pair.student_path, pair.teacher_path, self.device),
+                                "accuracies": pair.accuracies,
+                                "build": Path(pair.student_path).parent.name}
         return self._pairs[key]
+
+
+def load_pair(student: str | Path, teacher: str | Path, device: str = "cpu") -> dict[str, Any]:
+    """A student/teacher pair as ``Pairs.get`` returns it, from any two model folders or named
+    sources (``model_sources``: a real pretrained model, not a zoo pair): ``tokenizer`` (the
+    student's), ``student``, ``teacher`` (float32, on ``device``) and ``path`` (the student's
+    folder). A zoo pair adds its ``accuracies`` and ``build``; a study of another pair measures
+    its own."""
+    from lookahead_opd.integrations.model_sources import resolve_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(path: str) -> Any:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+
+    student, teacher = resolve_model(str(student)), resolve_model(str(teacher))
+    return {"tokenizer": AutoTokenizer.from_pretrained(student), "student": load(student),
+            "teacher": load(teacher), "path": student}
 
 
 def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, Any]) -> str | None:
@@ -129,10 +143,15 @@ def check_pair(results: dict[str, Any], cell: dict[str, Any], pair: dict[str, An
             "study elsewhere with --out, or start over with --fresh")
 
 
-def load_task(spec: str) -> Any:
+def load_task(spec: str, tokenizer: Any = None) -> Any:
+    """The task of ``spec``, its prompts rendered through ``tokenizer``'s chat template when it
+    has one (an instruct model's; the zoo's char tokenizer has none, so zoo tasks are as they
+    were), as the CLI renders them."""
     from lookahead_opd.integrations.opd.tasks import load_task as load
+    from lookahead_opd.integrations.opd.tasks import with_chat_template
 
-    return load(spec)
+    task = load(spec)
+    return task if tokenizer is None else with_chat_template(task, tokenizer)
 
 
 def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
@@ -144,7 +163,7 @@ def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> f
     """Greedy exact match of ``model`` on ``eval_problems(task_spec, n, seed)``."""
     from lookahead_opd.integrations.opd.zoo import greedy_accuracy
 
-    task = load_task(task_spec)
+    task = load_task(task_spec, tokenizer)
     return greedy_accuracy(model, tokenizer, task, eval_problems(task, n, seed))
 
 
@@ -214,16 +233,14 @@ class SecantProbe:
     secant cosine ``cos(W_s − W_{s/2}, W_{s/2} − W_{s/4})`` at the search steps 1, 2, 4, …:
     how well one window's displacement predicts the next, the bet a jump ``W + c·Δ`` makes.
     The cosine is the library's estimate (``SecantSketch``, within 0.05 of the exact one), so
-    the probe keeps one copy of the weights, the last search step's. Raises ``OutOfTime`` past
+    the probe keeps one copy of the weights, the last search step's: those the trainer trains,
+    read at step 0 (after ``train_top_blocks`` froze the rest). Raises ``OutOfTime`` past
     ``time_limit`` seconds of training, after recording the step."""
 
     def __init__(self, model: torch.nn.Module, time_limit: float | None = None) -> None:
-        from lookahead_opd.sketch import SecantSketch
-
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.time_limit = time_limit
-        self.sketch = SecantSketch(sum(p.numel() for p in self.params))
-        self.last = self._flat()  # the weights at the last search step (step 0 first)
+        self.model, self.time_limit = model, time_limit
+        self.params: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None  # the weights at the last search step
         self.cosines: list[tuple[int, float]] = []
         self.norms: list[tuple[int, float]] = []  # ‖W_s − W_{s/2}‖ (exact)
         self.tokens: list[int] = []
@@ -243,6 +260,12 @@ class SecantProbe:
             self.tokens.append(int(m["num_tokens"]))
         if self.time_limit is not None and m["train_seconds"] > self.time_limit:
             raise OutOfTime(f"stopped at step {step}: past {self.time_limit:.0f}s of training")
+        if self.last is None:  # step 0: the trainer has frozen what it does not train
+            from lookahead_opd.sketch import SecantSketch
+
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.sketch = SecantSketch(sum(p.numel() for p in self.params))
+            self.last = self._flat()
         if step < 1 or step & (step - 1) or "loss" not in m:
             return
         now = self._flat()
@@ -253,6 +276,62 @@ class SecantProbe:
         if cosine is not None:
             self.cosines.append((step, cosine))
         self.last = now
+
+
+class HeldOutKL:
+    """An ``OPDTrainer`` callback: the student's full-vocabulary reverse KL to the teacher,
+    teacher-forced on fixed rollouts of held-out prompts, at step 0 and every ``every`` steps —
+    a continuous progress measure at a few forwards' cost, where greedy accuracy on hundreds
+    of problems costs minutes of generation. The rollouts are the starting student's samples
+    (temperature 1, seed ``seed``: the same for every run from one student), drawn at
+    construction without touching the global RNG; the teacher scores them once. ``curve``:
+    ``[step, reverse KL]``."""
+
+    def __init__(self, model: torch.nn.Module, teacher: torch.nn.Module, tokenizer: Any,
+                 task: Any, problems: Sequence[Any], *, every: int, max_new_tokens: int,
+                 seed: int = 0) -> None:
+        from lookahead_opd.integrations.opd.engines import HFEngine
+        from lookahead_opd.integrations.opd.scoring import loss_chunk_rows
+        from lookahead_opd.integrations.opd.teacher import ModelTeacher, TeacherNeeds
+        from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
+
+        self.model, self.every = model, every
+        self.vocab = check_vocab_compatible(model, teacher, tokenizer=tokenizer)
+        self.chunk = loss_chunk_rows(None, len(problems) * max_new_tokens, self.vocab)
+        with torch.random.fork_rng(devices=[]):
+            r = HFEngine(model, tokenizer).generate([p.prompt for p in problems],
+                                                    max_new_tokens=max_new_tokens, seed=seed)
+        self.rollouts = (r.sequences, r.attention_mask, r.completion_mask)
+        self.teacher = ModelTeacher(teacher, self.vocab, chunk_size=self.chunk).score(
+            *self.rollouts, TeacherNeeds.FULL).full()
+        self.curve: list[list[float]] = []
+
+    def for_model(self, model: torch.nn.Module) -> HeldOutKL:
+        """The same rollouts and teacher scores, measuring ``model`` (a run's copy of the
+        student): one sampling and one teacher pass serve every run of a study."""
+        probe = copy.copy(self)
+        probe.model, probe.curve = model, []
+        return probe
+
+    def measure(self) -> float:
+        from lookahead_opd.integrations.opd.logits import model_logits
+        from lookahead_opd.integrations.opd.losses import reverse_kl_loss
+
+        sequences, attention, completion = self.rollouts
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                student = model_logits(self.model, sequences, attention, self.vocab,
+                                       chunk_size=self.chunk)
+                return float(reverse_kl_loss(student, self.teacher, completion[:, 1:])
+                             .metrics["reverse_kl"])
+        finally:
+            self.model.train(was_training)
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        if m["step"] % self.every == 0:
+            self.curve.append([m["step"], self.measure()])
 
 
 def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float | None = None,
@@ -272,7 +351,8 @@ def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float 
 
     t0 = time.perf_counter()
     try:
-        record = run_variant(config, pair["student"], pair["teacher"], load_task(task_spec),
+        record = run_variant(config, pair["student"], pair["teacher"],
+                             load_task(task_spec, pair["tokenizer"]),
                              pair["tokenizer"], callbacks=watch, on_student=on_student,
                              trainer_class=trainer_class, engine_batch_size=engine_batch_size)
         record["jumps"] = [{k: j[k] for k in JUMP_KEYS if k in j} for j in record["jumps"]]
@@ -302,12 +382,71 @@ class Store:
     """A study's ``<stem>.json`` under ``out``: ``runs`` (key -> run record) and the study's own
     fields, resumed from an earlier json unless ``fresh``; ``save`` rewrites it with the report
     after every run, so a killed study loses one run at most. ``commands`` and ``machines``
-    accumulate the calls and machines the runs came from."""
+    accumulate the calls and machines the runs came from.
 
-    def __init__(self, out: str | Path, stem: str, *, fresh: bool = False) -> None:
-        self.out, self.stem = Path(out), stem
+    ``shared``: several processes (one thread each) run one study into the same json. Each
+    claims a run before starting it (``claim``: a file under ``.claims-<stem>``, taken over
+    when the process that wrote it is gone), and ``sync`` (under ``locked``, before a report is
+    written) takes in the runs the others stored."""
+
+    def __init__(self, out: str | Path, stem: str, *, fresh: bool = False,
+                 shared: bool = False) -> None:
+        self.out, self.stem, self.shared = Path(out), stem, shared
         self.old = previous_results(self.out, stem, fresh=fresh)
         self.data: dict[str, Any] = {"runs": {}}
+        self.claims = self.out / f".claims-{stem}"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the json's lock (shared stores only): sync, report and write as one."""
+        if not self.shared:
+            yield
+            return
+        import fcntl
+
+        with open(self.out / f".{self.stem}.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def sync(self) -> None:
+        """Take in the runs other processes stored in the json since (shared stores only)."""
+        path = self.out / f"{self.stem}.json"
+        if self.shared and path.exists():
+            for key, record in json.loads(path.read_text()).get("runs", {}).items():
+                self.runs.setdefault(key, record)
+
+    def claim(self, key: str) -> bool:
+        """Whether this process may run ``key``: always unshared; shared, when no live process
+        claimed it first (a claim is a file holding the claimer's pid)."""
+        if not self.shared:
+            return True
+        self.claims.mkdir(parents=True, exist_ok=True)
+        path = self.claims / key.replace("/", "_")
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    pid = int(path.read_text() or 0)
+                except (OSError, ValueError):
+                    return False  # being written right now: someone else's
+                if pid == os.getpid():
+                    return True
+                if pid and _alive(pid):
+                    return False
+                path.unlink(missing_ok=True)  # its process is gone: take it over
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return True
+        return False
+
+    def release(self, key: str) -> None:
+        if self.shared:
+            (self.claims / key.replace("/", "_")).unlink(missing_ok=True)
 
     def resume(self, **fields: Callable[[], Any]) -> None:
         """Take ``runs`` and ``fields`` from the earlier json (``fields[key]()`` where it has
@@ -332,26 +471,50 @@ class Store:
         return write_results(str(self.out), self.stem, self.data, markdown)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def run_all(store: Store, jobs: Callable[[], Sequence[tuple[str, Any]]],
             run_job: Callable[[Any], dict[str, Any]], save: Callable[[], None], *,
             budget_s: float | None = None, desc: str = "runs",
-            describe: Callable[[str, dict[str, Any]], str] | None = None) -> bool:
+            describe: Callable[[str, dict[str, Any]], str] | None = None,
+            poll_s: float = 30.0) -> bool:
     """The resume loop: while ``jobs()`` (asked again after every run, so a plan may depend on
     the runs so far) lists ``(key, job)`` pairs whose key is not in the store, run the first,
-    store it and ``save()``. Starts no run after ``budget_s`` seconds; returns False then."""
+    store it and ``save()``. Starts no run after ``budget_s`` seconds; returns False then.
+    With a shared store it runs the first run no other process has claimed, and waits
+    (``poll_s``) while every run left is another's (a plan waiting on their results)."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
     bar = tqdm(desc=desc, dynamic_ncols=True, unit="run")
     try:
-        while todo := [(k, j) for k, j in jobs() if k not in store.runs]:
+        while True:
+            store.sync()
+            todo = [(k, j) for k, j in jobs() if k not in store.runs]
+            if not todo:
+                break
             if budget_s is not None and time.perf_counter() - start > budget_s:
                 tqdm.write(f"budget of {budget_s:.0f}s spent; rerun to continue")
                 return False
-            key, job = todo[0]
+            mine = next(((k, j) for k, j in todo if store.claim(k)), None)
+            if mine is None:  # the rest are running elsewhere
+                time.sleep(poll_s)
+                continue
+            key, job = mine
             bar.set_postfix_str(key)
-            store.runs[key] = record = run_job(job)
-            save()
+            try:
+                store.runs[key] = record = run_job(job)
+                save()
+            finally:
+                store.release(key)
             bar.update(1)
             tqdm.write(describe(key, record) if describe else
                        f"{key}: {record.get('wall_seconds', 0):.0f}s, final {record.get('final_accuracy')}")

@@ -1,0 +1,535 @@
+"""The speed-up question on a real pretrained LM: does EffOPD beat plain OPD when the student is
+SmolLM2-135M-Instruct (``smollm2-135m-gguf``) and the teacher its own base trained by RL
+(issue 30, item 6)?
+
+The paper's setting as far as one CPU core allows: the sampled-token loss (``reverse_kl_pg``),
+16 prompts per step, ``--max-steps`` 80, no lr warm-up, on ``wordproblems`` (chat-templated);
+the student trains its top ``--top-blocks`` decoder blocks and the jump extrapolates those
+weights. Methods: ``plain`` (AdamW) and ``effopd`` (the same, wrapped: −reverse-KL gate on 16
+fixed rollouts, geometric c, searches at steps 1, 2, 4, …). Progress is measured twice:
+
+- the held-out reverse KL: full-vocabulary KL(student ‖ teacher), teacher-forced on 32 fixed
+  rollouts of test prompts (the base's samples, the same for every run), every 5 steps;
+- greedy accuracy on ``--eval-size`` 200 test problems every 20 steps (step 0: the base).
+
+Plan, resumable (every run is appended to the json, a rerun skips the runs there):
+1. seed 0 at ``--lrs`` (a factor ~3 apart, from a conservative lr up to where plain degrades;
+   one lr further while plain's best is the highest), both methods, conservative first;
+2. seeds 1 and 2 at the conservative lr and at each method's best lr (fewest steps to 75% of
+   the KL drop, then lowest final KL), both methods (the seeds are paired: same prompts);
+3. item 5's check: at the conservative lr, seed 0, both methods training every block
+   (``full``), to say whether the part trained gives full training's verdict.
+
+    python -m benchmarks.real_lm --workers 2 &  python -m benchmarks.real_lm --workers 2  # study
+    python -m benchmarks.real_lm --probe      # steps' cost and KL drop per k (chooses k)
+    python -m benchmarks.real_lm --smoke --out /tmp/real_lm    # the pipeline on a zoo pair
+
+``--workers 2`` lets two processes (one thread each) share one json: each claims a run before
+it starts it (``harness.Store(shared=True)``). ``--report-only`` rewrites md/png from the json.
+
+Budget (measured by ``--probe`` on a 2-core machine shared with two other one-thread jobs,
+``real_lm-probe.md``): see ``STEP_COST`` below; with k = ``TOP_BLOCKS``, a plain step of
+16 prompts × ≤96 tokens costs ~``STEP_COST["plain"]`` s and a search step
+~``STEP_COST["search"]`` s, a 200-problem greedy eval ~``STEP_COST["eval"]`` s, a held-out KL
+~``STEP_COST["kl"]`` s. One 80-step run: 80 × plain + 7 searches' extra + 5 evals + 17 KLs.
+Runs: 8 (stage 1) + ≤12 (stage 2: 2 seeds × ≤3 lrs × 2 methods) + 2 (full) = ≤22.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import harness
+from benchmarks.common import markdown_table
+from benchmarks.harness import EFFOPD, FRACTIONS, fmt_range
+
+STEM = "real_lm"
+STUDENT = "smollm2-135m-gguf"
+TASK = "wordproblems"
+DELTA = Path(__file__).resolve().parent / "results" / "real_teacher" / "smollm2-135m-rl.safetensors"
+LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
+LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
+TOP_BLOCKS = 8  # see the module docstring and real_lm-probe.md
+PROBE_KS = (2, 8, 30)  # --probe: top-k blocks tried (30: every block of SmolLM2-135M)
+PROBE_STEPS = 4  # searches at 1, 2, 4; step 3 a plain step
+SEEDS = (0, 1, 2)
+KL_SEED = 0  # the held-out rollouts' sampling seed (one yardstick for every run)
+KL_PROBLEM_SEED = 1000  # which test prompts they are drawn from
+METHODS = {"plain": {}, "effopd": dict(EFFOPD)}
+# Measured (--probe, see real_lm-probe.md): seconds per plain step, per search step, per
+# 200-problem eval, per held-out KL, at k = TOP_BLOCKS. The budget arithmetic uses them.
+STEP_COST: dict[str, float] = {}
+
+REPORT_OPTIONS = ("max_steps", "batch_size", "kl_every", "kl_size", "eval_every", "eval_size",
+                  "gate_size", "lrs", "top_blocks", "seeds", "task", "full_check")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--teacher", default=None,
+                   help=f"the teacher's model folder (default: {STUDENT} + the committed delta "
+                   f"{DELTA.name}, rebuilt into the cache when missing)")
+    p.add_argument("--lrs", default=",".join(f"{x:g}" for x in LRS),
+                   help="comma-separated, conservative first")
+    p.add_argument("--top-blocks", type=int, default=TOP_BLOCKS, help="decoder blocks trained")
+    p.add_argument("--max-steps", type=int, default=80)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--kl-every", type=int, default=5)
+    p.add_argument("--kl-size", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-size", type=int, default=200)
+    p.add_argument("--gate-size", type=int, default=16)
+    p.add_argument("--no-full-check", dest="full_check", action="store_false",
+                   help="skip stage 3 (every block trained at the conservative lr)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing this study's json (start each with the same options)")
+    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
+                   help="start no run after this many seconds (the json stays resumable)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
+    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
+    p.add_argument("--probe", action="store_true",
+                   help=f"measure a few steps per k in {PROBE_KS} instead (writes {STEM}-probe)")
+    p.add_argument("--smoke", action="store_true", help="a zoo pair, few steps (CI)")
+    a = p.parse_args(argv)
+    try:
+        a.lrs = [float(x) for x in a.lrs.split(",")]
+    except ValueError:
+        p.error(f"--lrs: not a list of numbers: {a.lrs!r}")
+    if not a.lrs or any(x <= 0 for x in a.lrs):
+        p.error("--lrs: give one or more positive learning rates")
+    if a.top_blocks < 1:
+        p.error("--top-blocks must be >= 1")
+    if a.teacher is not None and not (Path(a.teacher) / "config.json").is_file():
+        p.error(f"--teacher {a.teacher}: not a model folder (no config.json)")
+    a.stem, a.task, a.seeds, a.probe_ks = STEM, TASK, SEEDS, PROBE_KS
+    if a.smoke:  # the committed tiny zoo pair: the pipeline, every stage, in a minute
+        a.stem, a.task, a.seeds, a.probe_ks = f"{STEM}-smoke", "arithmetic", (0, 1), (1, 2)
+        a.lrs, a.top_blocks, a.max_steps, a.batch_size = [1e-3, 4e-3], 1, 4, 8
+        a.kl_every, a.kl_size, a.eval_every, a.eval_size, a.gate_size = 2, 8, 2, 40, 8
+    if a.probe:  # a few steps: accuracy only at step 0 and the last, on a few problems
+        a.stem += "-probe"
+        a.eval_every, a.eval_size, a.kl_every = 0, min(a.eval_size, 16), 2
+    return a
+
+
+# --------------------------------------------------------------------------- the pair
+
+
+def teacher_folder(a: argparse.Namespace) -> str:
+    """``--teacher``, else the committed delta applied to the base (cached per delta digest)."""
+    if a.teacher is not None:
+        return a.teacher
+    if not DELTA.is_file():
+        raise SystemExit(f"real_lm: no teacher: {DELTA} is not built yet (python -m "
+                         "benchmarks.real_teacher), and no --teacher FOLDER was given")
+    from lookahead_opd.integrations.model_sources import apply_delta
+    from lookahead_opd.integrations.opd.zoo import cache_root
+
+    digest = hashlib.sha256(DELTA.read_bytes()).hexdigest()[:12]
+    folder = cache_root() / "models" / f"{STUDENT}-rl-{digest}"
+    if not (folder / "model.safetensors").is_file():
+        apply_delta(STUDENT, DELTA, folder)
+    return str(folder)
+
+
+def load_pair(a: argparse.Namespace) -> dict[str, Any]:
+    if a.smoke:
+        pair = harness.Pairs(progress=False).get("arithmetic", "rl")
+        if "error" in pair:
+            raise SystemExit(f"real_lm --smoke: the zoo pair: {pair['error']}")
+        return {**pair, "teacher_name": pair["build"]}
+    teacher = teacher_folder(a)
+    return {**harness.load_pair(STUDENT, teacher), "teacher_name": teacher}
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def run_key(part: str, method: str, lr: float, seed: int) -> str:
+    return f"{part}|{method}|{lr:.6g}|{seed}"
+
+
+def part_name(a: argparse.Namespace, full: bool) -> str:
+    return "full" if full else f"top{a.top_blocks}"
+
+
+def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, part: str,
+            method: str, lr: float, seed: int, max_steps: int | None = None) -> dict[str, Any]:
+    fields = dict(METHODS[method])
+    if "gate" in fields:
+        fields["gate_size"] = a.gate_size
+    blocks = 0 if part == "full" else int(part.removeprefix("top"))
+    config = harness.opd_config(
+        a.stem, f"{part}-{method}-{lr:.6g}-{seed}", task=a.task, loss=LOSS,
+        max_steps=max_steps or a.max_steps, batch_size=a.batch_size, learning_rate=lr,
+        warmup_steps=0, eval_every=a.eval_every, eval_size=a.eval_size, seed=seed,
+        train_top_blocks=blocks, **fields)
+    probes: list[harness.HeldOutKL] = []
+
+    def watch(model: torch.nn.Module) -> list[Any]:
+        probes.append(kl.for_model(model))
+        return probes
+
+    run = harness.run(config, pair, a.task, callbacks=watch, engine_batch_size=64)
+    run.update(part=part, method=method, lr=lr, seed=seed, kl=probes[0].curve if probes else [])
+    return run
+
+
+def runs_of(results: dict[str, Any], part: str, method: str, seed: int = 0
+            ) -> dict[float, dict[str, Any]]:
+    """lr -> run of ``method`` training ``part`` with ``seed``."""
+    return dict(sorted((r["lr"], r) for r in results["runs"].values()
+                       if r["part"] == part and r["method"] == method and r["seed"] == seed))
+
+
+def kl_view(run: dict[str, Any]) -> dict[str, Any]:
+    """The run with its held-out KL curve as its 'accuracy' (minus the KL: higher is better),
+    so the harness's ``reached`` and ``rank_key`` read it."""
+    evals = [[s, -k] for s, k in run["kl"]]
+    return {**run, "evals": evals, "final_accuracy": evals[-1][1] if evals else None}
+
+
+def kl_targets(run: dict[str, Any]) -> dict[str, float]:
+    """Minus the KL at 50 / 75 / 90% of the drop to the teacher (KL 0) from the start's."""
+    kl0 = run["kl"][0][1]
+    return {f"{f:g}": -(1 - f) * kl0 for f in FRACTIONS}
+
+
+def lr_list(a: argparse.Namespace, results: dict[str, Any]) -> list[float]:
+    """``--lrs``, and one lr further (×3) while plain's best (seed 0) is the highest."""
+    lrs = list(a.lrs)
+    plain = runs_of(results, part_name(a, False), "plain")
+    if len(lrs) > 1 and all(lr in plain for lr in lrs) and best_of(plain, lrs) == lrs[-1]:
+        lrs.append(lrs[-1] * 3)
+    return lrs
+
+
+def best_of(runs: dict[float, dict[str, Any]], lrs: list[float]) -> float:
+    """The lr whose run reaches the highest fraction of the KL drop, in fewest steps, to the
+    lowest final KL (``harness.rank_key`` on the KL curve); a crashed run ranks last."""
+    def key(lr: float) -> tuple[float, ...]:
+        r = runs[lr]
+        if r.get("crashed") or not r["kl"] or any(math.isnan(k) for _, k in r["kl"]):
+            return (math.inf,)
+        return harness.rank_key([kl_view(r)], kl_targets(r), FRACTIONS)
+    return min(lrs, key=key)
+
+
+def best_lrs(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, float] | None:
+    """Each method's best lr (seed 0) once stage 1 is complete, else None."""
+    lrs, part = lr_list(a, results), part_name(a, False)
+    out = {}
+    for m in METHODS:
+        runs = runs_of(results, part, m)
+        if any(lr not in runs for lr in lrs):
+            return None
+        out[m] = best_of(runs, lrs)
+    return out
+
+
+def plan(a: argparse.Namespace, results: dict[str, Any]) -> list[tuple[str, str, float, int]]:
+    """The (part, method, lr, seed) runs in the order they run; stage 2 once stage 1 is done."""
+    part, lrs = part_name(a, False), lr_list(a, results)
+    out = [(part, m, lr, 0) for lr in lrs for m in METHODS]
+    best = best_lrs(a, results)
+    if best is None:
+        return out
+    seed_lrs = sorted({lrs[0], *best.values()})
+    out += [(part, m, lr, s) for s in a.seeds[1:] for lr in seed_lrs for m in METHODS]
+    if a.full_check:
+        out += [("full", m, lrs[0], 0) for m in METHODS]
+    return out
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def describe_run(a: argparse.Namespace, results: dict[str, Any], r: dict[str, Any]
+                 ) -> dict[str, Any]:
+    teacher = results["teacher_accuracy"]
+    base = r["evals"][0][1] if r["evals"] else None
+    acc_t = ({f"{f:g}": base + f * (teacher - base) for f in FRACTIONS}
+             if base is not None and teacher > base else None)
+    at_cap = lambda curve: (curve[-1][1] if curve and curve[-1][0] == a.max_steps  # noqa: E731
+                            else None)
+    kept = [j for j in r["jumps"] if j.get("accepted") is not None]
+    cosines = [j["secant_cosine"] for j in r["jumps"] if j.get("secant_cosine") is not None]
+    out = {"base": base, "final_accuracy": at_cap(r["evals"]), "final_kl": at_cap(r["kl"]),
+           "kl0": r["kl"][0][1] if r["kl"] else None, "crashed": r.get("crashed"),
+           "kept": len(kept), "searches": len(r["jumps"]),
+           "kept_coefficients": [j["accepted"] for j in kept],
+           "gate_share": harness.gate_share(r), "clock": harness.train_clock(r),
+           "secant_cosine": statistics.fmean(cosines) if cosines else None}
+    for f in FRACTIONS:
+        out[f"kl_steps_{f:g}"] = (harness.reached(kl_view(r), kl_targets(r), (f,))[f"steps_{f:g}"]
+                                  if r["kl"] else None)
+        out[f"acc_steps_{f:g}"] = (harness.reached(r, acc_t, (f,))[f"steps_{f:g}"]
+                                   if acc_t else None)
+    return out
+
+
+def ratio(plain: int | float | None, eff: int | float | None, cap: float) -> float | None:
+    """plain / effopd (>1: EffOPD faster or lower); a target not reached counts as ``cap``."""
+    if plain is None and eff is None:
+        return None
+    return (cap if plain is None else plain) / (cap if eff is None else eff)
+
+
+def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    runs = {k: describe_run(a, results, r) for k, r in results["runs"].items()}
+    part = part_name(a, False)
+    s: dict[str, Any] = {"runs": runs, "lrs": lr_list(a, results), "best": best_lrs(a, results)}
+    cap = a.max_steps + a.kl_every  # not reached: one measurement past the cap
+    paired: dict[str, Any] = {}
+    for lr in sorted({r["lr"] for r in results["runs"].values() if r["part"] == part}):
+        pairs = []
+        for seed in a.seeds:
+            p, e = run_key(part, "plain", lr, seed), run_key(part, "effopd", lr, seed)
+            if p in runs and e in runs:
+                pairs.append((seed, runs[p], runs[e]))
+        if not pairs:
+            continue
+        paired[f"{lr:g}"] = {
+            "seeds": [sd for sd, _, _ in pairs],
+            **{f"kl_steps_{f:g}": [ratio(p[f"kl_steps_{f:g}"], e[f"kl_steps_{f:g}"], cap)
+                                   for _, p, e in pairs] for f in FRACTIONS},
+            "final_kl": [None if p["final_kl"] is None or e["final_kl"] is None
+                         else p["final_kl"] / e["final_kl"] if e["final_kl"] > 0 else None
+                         for _, p, e in pairs],
+            "final_accuracy": [None if p["final_accuracy"] is None or e["final_accuracy"] is None
+                               else e["final_accuracy"] - p["final_accuracy"]
+                               for _, p, e in pairs]}
+    s["paired"] = paired
+    full = {m: runs.get(run_key("full", m, a.lrs[0], 0)) for m in METHODS}
+    part0 = {m: runs.get(run_key(part, m, a.lrs[0], 0)) for m in METHODS}
+    if all(full.values()) and all(part0.values()):
+        def says(d: dict[str, Any]) -> str:
+            r = ratio(d["plain"]["kl_steps_0.75"], d["effopd"]["kl_steps_0.75"], cap)
+            return "no target" if r is None else "effopd faster" if r > 1 else (
+                "same" if r == 1 else "plain faster")
+        s["full_check"] = {"lr": a.lrs[0], "full": says(full), part: says(part0),
+                           "same_verdict": says(full) == says(part0)}
+    return s
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _n(x: Any, fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _steps(r: dict[str, Any], kind: str) -> str:
+    return " / ".join("·" if r[f"{kind}_steps_{f:g}"] is None else str(r[f"{kind}_steps_{f:g}"])
+                      for f in FRACTIONS)
+
+
+def verdict(a: argparse.Namespace, s: dict[str, Any]) -> str:
+    """The one sentence: EffOPD against plain at the conservative lr and at plain's best lr,
+    by paired-seed ratios of steps to 75% of the held-out KL drop."""
+    said = []
+    best = (s.get("best") or {}).get("plain")
+    for label, lr in (("the conservative lr", a.lrs[0]), ("plain's best lr", best)):
+        d = None if lr is None else s["paired"].get(f"{lr:g}")
+        if d is None or len(d["seeds"]) < len(a.seeds):
+            said.append(f"at {label}: not measured yet")
+            continue
+        rs = d["kl_steps_0.75"]
+        if any(x is None for x in rs):
+            said.append(f"at {label} ({lr:g}): neither method reached 75% of the KL drop")
+            continue
+        word = ("beats" if min(rs) > 1 else "loses to" if max(rs) < 1 else "does not clearly beat")
+        said.append(f"at {label} ({lr:g}) EffOPD {word} plain OPD (steps to 75% of the KL drop, "
+                    f"plain / EffOPD {fmt_range(rs, '{:.2f}', single=False)} over "
+                    f"{len(rs)} paired seeds)")
+    return "On this student and teacher, " + "; ".join(said) + "."
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    s, m = results["summary"], results["machine"]
+    part = part_name(a, False)
+    lines = [
+        "# EffOPD on a real pretrained LM: SmolLM2-135M-Instruct and its RL-near teacher", "",
+        "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands", [m["command"]]))
+        + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}, "
+        f"{m.get('torch_threads')} thread). Student `{results['student']}` training its top "
+        f"{a.top_blocks} decoder blocks; teacher `{results['teacher']}` (greedy accuracy "
+        f"{results['teacher_accuracy']:.1%} on the seed-0 eval set); task `{a.task}`"
+        + (" (chat template)" if results.get("chat_template") else "") + f"; loss `{LOSS}`; {a.batch_size} prompts per step, {a.max_steps} steps, no "
+        f"warm-up. EffOPD: −reverse-KL gate on {a.gate_size} fixed rollouts, geometric c. "
+        f"Held-out reverse KL on {a.kl_size} fixed rollouts every {a.kl_every} steps; greedy "
+        f"accuracy on {a.eval_size} test problems every {a.eval_every} steps. Steps to a "
+        "fraction: of the KL drop to 0, or of the teacher's accuracy gain over the base "
+        "('·': not reached within the cap).", "",
+        "## Verdict", "", verdict(a, s), "",
+        "## Seed 0 at every lr", "",
+    ]
+    headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",
+               "accuracy base → at cap", "acc. steps 50/75/90%", "kept / searches",
+               "gate share", "secant cos", "clock (s)"]
+    rows = []
+    for key, r in sorted(s["runs"].items(), key=lambda kv: (kv[1] is None, kv[0])):
+        run = results["runs"][key]
+        rows.append([run["part"], run["method"], f"{run['lr']:g}" + (
+            f" (seed {run['seed']})" if run["seed"] else ""),
+            f"{_n(r['kl0'])} → {_n(r['final_kl'])}", _steps(r, "kl"),
+            f"{_n(r['base'], '{:.1%}')} → {_n(r['final_accuracy'], '{:.1%}')}", _steps(r, "acc"),
+            f"{r['kept']} / {r['searches']}", _n(r["gate_share"], "{:.0%}"),
+            _n(r["secant_cosine"], "{:.2f}"), _n(r["clock"], "{:.0f}")
+            + (" (crashed)" if r["crashed"] else "")])
+    lines += [markdown_table(headers, rows), ""]
+    if s.get("best"):
+        lines += ["Best lr (seed 0; most of the KL drop, fewest steps, lowest final KL): "
+                  + ", ".join(f"{k} {v:g}" for k, v in s["best"].items()) + ".", ""]
+    if s["paired"]:
+        lines += ["## Paired seeds (plain / EffOPD; > 1: EffOPD ahead)", "",
+                  markdown_table(
+                      ["lr", "seeds", "KL steps 50%", "KL steps 75%", "KL steps 90%",
+                       "final KL", "final accuracy (EffOPD − plain)"],
+                      [[lr, ",".join(map(str, d["seeds"])),
+                        *[fmt_range(d[f"kl_steps_{f:g}"], "{:.2f}", single=False)
+                          for f in FRACTIONS],
+                        fmt_range(d["final_kl"], "{:.2f}", single=False),
+                        fmt_range(d["final_accuracy"], "{:+.1%}", single=False)]
+                       for lr, d in s["paired"].items()]), ""]
+    fc = s.get("full_check")
+    lines += ["## The part trained against every block (item 5)", ""]
+    lines += [f"At lr {fc['lr']:g}, seed 0, by steps to 75% of the KL drop: every block — "
+              f"{fc['full']}; top {a.top_blocks} — {fc[part]}: "
+              + ("the same verdict." if fc["same_verdict"] else "**different verdicts**.")
+              if fc else "Not run yet.", ""]
+    return "\n".join(lines)
+
+
+def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"].values() if r["seed"] == 0]
+    if not runs:
+        return
+    fig, (kl_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    lrs = sorted({r["lr"] for r in runs})
+    colors = {lr: plt.cm.viridis(i / max(1, len(lrs) - 1)) for i, lr in enumerate(lrs)}
+    for r in sorted(runs, key=lambda r: (r["part"], r["lr"], r["method"])):
+        style = {"color": colors[r["lr"]], "ls": "-" if r["method"] == "plain" else "--",
+                 "marker": "o" if r["part"] == "full" else None, "ms": 3}
+        label = f"{r['part']} {r['method']} {r['lr']:g}"
+        if r["kl"]:
+            kl_ax.plot(*zip(*r["kl"], strict=True), label=label, **style)
+        if r["evals"]:
+            acc_ax.plot(*zip(*r["evals"], strict=True), **style)
+    kl_ax.set(xlabel="step", ylabel="held-out reverse KL to the teacher", yscale="log")
+    acc_ax.set(xlabel="step", ylabel="greedy accuracy")
+    acc_ax.axhline(results["teacher_accuracy"], color="gray", ls=":", label="teacher")
+    kl_ax.legend(fontsize=6)
+    acc_ax.legend(fontsize=6)
+    fig.suptitle("seed 0: plain (solid) vs EffOPD (dashed); dots: every block trained", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
+    plt.close(fig)
+
+
+def probe_report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    """--probe: per k, the seconds of each step (1, 2, 4 search; 3 plain) and the KL drop."""
+    m = results["machine"]
+    rows = []
+    for r in results["runs"].values():
+        clock = {int(k): v for k, v in r["train_seconds"].items()}
+        per = {s: clock[s] - clock[s - 1] for s in clock if s - 1 in clock}
+        gate = {j["step"]: j.get("seconds", 0.0) for j in r["jumps"]}
+        rows.append([r["part"], f"{r['lr']:g}", _n(per.get(3), "{:.1f}"),
+                     " / ".join(_n(per.get(s), "{:.1f}") for s in (1, 2, 4)),
+                     " / ".join(_n(gate.get(s), "{:.1f}") for s in (1, 2, 4)),
+                     " → ".join(f"{k:.4f}" for _, k in r["kl"]),
+                     _n(r["wall_seconds"], "{:.0f}")])
+    return "\n".join([
+        "# real_lm probe: what a step costs, and how far the student moves, per k", "",
+        f"Made by `{m['command']}` at {m.get('git_commit')} on {m.get('cpu_model')} "
+        f"({m.get('torch_threads')} thread, a shared machine). EffOPD, {PROBE_STEPS} steps "
+        f"(searches at 1, 2, 4; step 3 plain), {a.batch_size} prompts, loss `{LOSS}`, teacher "
+        f"`{results['teacher']}`; held-out reverse KL on {a.kl_size} rollouts every 2 steps.", "",
+        markdown_table(["part", "lr", "plain step (s)", "search steps 1/2/4 (s)",
+                        "their gate (s)", "held-out KL", "wall (s)"], rows), ""])
+
+
+# --------------------------------------------------------------------------- main
+
+
+def save(a: argparse.Namespace, store: harness.Store) -> None:
+    with store.locked():
+        store.sync()
+        if a.probe:
+            store.save(probe_report(a, store.data))
+            return
+        store.data["summary"] = summarize(a, store.data)
+        store.save(report(a, store.data))
+        plot(a, store.data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    store = harness.Store(a.out, a.stem, fresh=a.fresh, shared=a.workers > 1)
+    store.resume(commands=list, machines=list)
+    results = store.data
+    if a.report_only:
+        if store.old is None:
+            raise SystemExit(f"real_lm: --report-only: no {a.stem}.json in {a.out}")
+        results["machine"] = store.old["machine"]
+        results["config"] = config = store.old.get("config", {})
+        for key in ("student", "teacher", "teacher_accuracy", "chat_template"):
+            results[key] = store.old[key]
+        for key in REPORT_OPTIONS:  # the runs' options, not this call's defaults
+            setattr(a, key, config.get(key, getattr(a, key)))
+        save(a, store)
+        return 0
+    pair = load_pair(a)  # before the json changes: no teacher, one line
+    old = store.old or {}
+    if old.get("teacher") not in (None, pair["teacher_name"]):
+        raise SystemExit(f"real_lm: the json's runs used teacher {old['teacher']}, not "
+                         f"{pair['teacher_name']}; write elsewhere with --out, or --fresh")
+    results["config"] = {k: v for k, v in vars(a).items()}
+    results["student"] = pair["path"] if a.smoke else STUDENT
+    results["teacher"] = pair["teacher_name"]
+    results["chat_template"] = bool(getattr(pair["tokenizer"], "chat_template", None))
+    store.stamp()
+    task = harness.load_task(a.task, pair["tokenizer"])
+    results["teacher_accuracy"] = old.get("teacher_accuracy")
+    if results["teacher_accuracy"] is None and not a.probe:  # on seed 0's eval set, once
+        results["teacher_accuracy"] = harness.accuracy(pair["teacher"], pair["tokenizer"], a.task,
+                                                       a.eval_size, 0)
+    kl = harness.HeldOutKL(pair["student"], pair["teacher"], pair["tokenizer"], task,
+                           task.problems("test", a.kl_size, seed=KL_PROBLEM_SEED),
+                           every=a.kl_every, max_new_tokens=task.max_new_tokens, seed=KL_SEED)
+    if a.probe:
+        jobs = [(run_key(f"top{k}", "effopd", a.lrs[len(a.lrs) // 2], 0),
+                 (f"top{k}", "effopd", a.lrs[len(a.lrs) // 2], 0)) for k in a.probe_ks]
+        harness.run_all(store, lambda: jobs,
+                        lambda job: run_one(a, pair, kl, *job, max_steps=PROBE_STEPS),
+                        lambda: save(a, store), desc=f"{a.stem} runs")
+        save(a, store)
+        return 0
+
+    def jobs() -> list[tuple[str, tuple[str, str, float, int]]]:
+        return [(run_key(*job), job) for job in plan(a, results)]
+
+    harness.run_all(store, jobs, lambda job: run_one(a, pair, kl, *job), lambda: save(a, store),
+                    budget_s=a.budget_s, desc=f"{a.stem} runs")
+    save(a, store)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
