@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct (``smollm2-135m-gguf``) and the teacher its own base train
 (issue 30, item 6)?
 
 The paper's setting as far as one CPU core allows: the sampled-token loss (``reverse_kl_pg``),
-16 prompts per step, ``--max-steps`` 80, no lr warm-up, on ``wordproblems`` (chat-templated);
+16 prompts per step, ``--max-steps`` 40 (≤ 80: see the budget below), no lr warm-up, on
+``wordproblems`` (chat-templated);
 the student trains its top ``--top-blocks`` decoder blocks and the jump extrapolates those
 weights. Methods: ``plain`` (AdamW) and ``effopd`` (the same, wrapped: −reverse-KL gate on 16
 fixed rollouts, geometric c, searches at steps 1, 2, 4, …). Progress is measured twice:
@@ -27,12 +28,31 @@ Plan, resumable (every run is appended to the json, a rerun skips the runs there
 ``--workers 2`` lets two processes (one thread each) share one json: each claims a run before
 it starts it (``harness.Store(shared=True)``). ``--report-only`` rewrites md/png from the json.
 
-Budget (measured by ``--probe`` on a 2-core machine shared with two other one-thread jobs,
-``real_lm-probe.md``): see ``STEP_COST`` below; with k = ``TOP_BLOCKS``, a plain step of
-16 prompts × ≤96 tokens costs ~``STEP_COST["plain"]`` s and a search step
-~``STEP_COST["search"]`` s, a 200-problem greedy eval ~``STEP_COST["eval"]`` s, a held-out KL
-~``STEP_COST["kl"]`` s. One 80-step run: 80 × plain + 7 searches' extra + 5 evals + 17 KLs.
-Runs: 8 (stage 1) + ≤12 (stage 2: 2 seeds × ≤3 lrs × 2 methods) + 2 (full) = ≤22.
+Choosing k (``--probe``, ``real_lm-probe.md``; EffOPD at lr 1e-4, 4 steps, on a stand-in
+teacher: the base after 10 LoRA-SFT steps, since the RL teacher was not built yet; one thread
+on a 2-core machine at load ~5, so this process had ~0.6 of a core). Held-out KL after 4 steps
+and the seconds of a plain step (16 prompts):
+
+    k = 2:   1.092 -> 0.642   60 s      (SFT through 2 blocks barely moved the accuracy,
+    k = 8:   1.092 -> 0.562   62 s       real_teacher.py; OPD does move the KL, 8 blocks more)
+    k = 30:  1.092 -> 0.412   76 s      (every block; embeddings and lm_head frozen)
+
+A plain step is rollouts (16 × ≤96 tokens, 37–43 s) plus scoring (teacher and student, 22–29
+s); the backward through more blocks adds little until every block trains. TOP_BLOCKS = 8:
+8 blocks moved the KL ~77% as far as all 30 for ~80% of a step's cost, and keep item 5's check
+(the part against every block) a real comparison; ``--top-blocks 30`` is the alternative if
+the real teacher's runs show 8 moving too little. Rerun ``--probe`` on the real teacher first.
+
+Budget at k = 8 (the measured numbers, under that load; on a dedicated core expect ~0.6×): a
+plain step 62 s; a search adds its gate, 4–5 evals of the 16 fixed rollouts, 47–51 s (the
+first search 108 s: it also samples and teacher-scores the gate rollouts); a 200-problem greedy
+eval ~4 min and a held-out KL ~12 s (estimates: from the rollout and gate throughput). One
+run of S steps: S × 62 + searches (1, 2, 4, …: 6 for S = 40) × 50 + 60 + (S/20 + 1) × 240 +
+(S/5 + 1) × 12 s. At S = 80 that is ~1.9 h a run, 22 runs ~41 CPU-hours: far over the issue's
+10. Hence ``--max-steps`` 40 by default: ~61 min a run loaded (~37 min on a dedicated core),
+18–22 runs (stage 2 runs 2 or 3 lrs) = 11–14 CPU-hours on dedicated cores, 5.5–7 hours of wall
+with two workers. Still over 10: ``--budget_s`` stops starting runs (the json stays
+resumable), and stage 2 is the first to go.
 """
 
 from __future__ import annotations
@@ -56,16 +76,13 @@ TASK = "wordproblems"
 DELTA = Path(__file__).resolve().parent / "results" / "real_teacher" / "smollm2-135m-rl.safetensors"
 LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
-TOP_BLOCKS = 8  # see the module docstring and real_lm-probe.md
+TOP_BLOCKS = 8  # chosen by --probe: see the module docstring
 PROBE_KS = (2, 8, 30)  # --probe: top-k blocks tried (30: every block of SmolLM2-135M)
 PROBE_STEPS = 4  # searches at 1, 2, 4; step 3 a plain step
 SEEDS = (0, 1, 2)
 KL_SEED = 0  # the held-out rollouts' sampling seed (one yardstick for every run)
 KL_PROBLEM_SEED = 1000  # which test prompts they are drawn from
 METHODS = {"plain": {}, "effopd": dict(EFFOPD)}
-# Measured (--probe, see real_lm-probe.md): seconds per plain step, per search step, per
-# 200-problem eval, per held-out KL, at k = TOP_BLOCKS. The budget arithmetic uses them.
-STEP_COST: dict[str, float] = {}
 
 REPORT_OPTIONS = ("max_steps", "batch_size", "kl_every", "kl_size", "eval_every", "eval_size",
                   "gate_size", "lrs", "top_blocks", "seeds", "task", "full_check")
@@ -80,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lrs", default=",".join(f"{x:g}" for x in LRS),
                    help="comma-separated, conservative first")
     p.add_argument("--top-blocks", type=int, default=TOP_BLOCKS, help="decoder blocks trained")
-    p.add_argument("--max-steps", type=int, default=80)
+    p.add_argument("--max-steps", type=int, default=40, help="the step cap (see the budget)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--kl-every", type=int, default=5)
     p.add_argument("--kl-size", type=int, default=32)
