@@ -371,6 +371,32 @@ def verdict(a: argparse.Namespace, s: dict[str, Any]) -> str:
     return "On this student and teacher, " + "; ".join(said) + "."
 
 
+def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
+    """Does EffOPD from the conservative lr get the fast lr's early speed (steps to 50% of the
+    KL drop: plain at its best lr) *and* the small lr's end point (KL at the cap: plain at the
+    conservative lr)? Means over the seeds run at both."""
+    part, best = part_name(a, False), (s.get("best") or {}).get("plain")
+    if best is None:
+        return "Not measured yet (the lr stage is not finished)."
+
+    def runs(method: str, lr: float) -> list[dict[str, Any]]:
+        return [r for sd in a.seeds if (r := s["runs"].get(run_key(part, method, lr, sd)))]
+
+    eff, fast, slow = runs("effopd", a.lrs[0]), runs("plain", best), runs("plain", a.lrs[0])
+    cap = a.max_steps + a.kl_every
+    early = [harness.mean([cap if r["kl_steps_0.5"] is None else r["kl_steps_0.5"] for r in rs])
+             for rs in (eff, fast)]
+    end = [harness.mean([r["final_kl"] for r in rs]) for rs in (eff, slow)]
+    if None in early or None in end:
+        return "Not measured yet."
+    return (f"EffOPD from the conservative lr {a.lrs[0]:g}: {early[0]:.0f} steps to 50% of the "
+            f"KL drop against plain's {early[1]:.0f} at its best lr {best:g} "
+            f"({'as fast' if early[0] <= early[1] else 'slower'}); KL at the cap {end[0]:.3f} "
+            f"against plain's {end[1]:.3f} at the conservative lr "
+            f"({'as low' if end[0] <= end[1] else 'higher'}). Means over {len(eff)}, "
+            f"{len(fast)} and {len(slow)} seeds; not reached counts as {cap} steps.")
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     s, m = results["summary"], results["machine"]
     part = part_name(a, False)
@@ -387,7 +413,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"accuracy on {a.eval_size} test problems every {a.eval_every} steps. Steps to a "
         "fraction: of the KL drop to 0, or of the teacher's accuracy gain over the base "
         "('·': not reached within the cap).", "",
-        "## Verdict", "", verdict(a, s), "",
+        "## Verdict", "", verdict(a, s), "", both_ends(a, s), "",
         "## Seed 0 at every lr", "",
     ]
     headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",
@@ -507,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         results["machine"] = store.old["machine"]
         results["config"] = config = store.old.get("config", {})
         for key in ("student", "teacher", "teacher_accuracy", "chat_template"):
-            results[key] = store.old[key]
+            results[key] = store.old.get(key)
         for key in REPORT_OPTIONS:  # the runs' options, not this call's defaults
             setattr(a, key, config.get(key, getattr(a, key)))
         save(a, store)
