@@ -46,13 +46,14 @@ the real teacher's runs show 8 moving too little. Rerun ``--probe`` on the real 
 Budget at k = 8 (the measured numbers, under that load; on a dedicated core expect ~0.6×): a
 plain step 62 s; a search adds its gate, 4–5 evals of the 16 fixed rollouts, 47–51 s (the
 first search 108 s: it also samples and teacher-scores the gate rollouts); a 200-problem greedy
-eval ~4 min and a held-out KL ~12 s (estimates: from the rollout and gate throughput). One
-run of S steps: S × 62 + searches (1, 2, 4, …: 6 for S = 40) × 50 + 60 + (S/20 + 1) × 240 +
-(S/5 + 1) × 12 s. At S = 80 that is ~1.9 h a run, 22 runs ~41 CPU-hours: far over the issue's
-10. Hence ``--max-steps`` 40 by default: ~61 min a run loaded (~37 min on a dedicated core),
-18–22 runs (stage 2 runs 2 or 3 lrs) = 11–14 CPU-hours on dedicated cores, 5.5–7 hours of wall
-with two workers. Still over 10: ``--budget_s`` stops starting runs (the json stays
-resumable), and stage 2 is the first to go.
+eval ≤2.9 min (the first run's step 0 on the stand-in: base 7.0%; the teacher's eval and the
+held-out rollouts together 3.3 min, once per process); a held-out KL ~12 s (an estimate, from
+the gate's throughput). One run of S steps: S × 62 + searches (1, 2, 4, …: 6 for S = 40) × 50
++ 60 + (S/20 + 1) × 170 + (S/5 + 1) × 12 s. At S = 80 that is ~1.8 h a run, 22 runs ~40
+CPU-hours: far over the issue's 10. Hence ``--max-steps`` 40 by default: ~58 min a run loaded
+(~35 min on a dedicated core), 18–22 runs (stage 2 runs 2 or 3 lrs) = 10.5–13 CPU-hours on
+dedicated cores, 5–6.5 hours of wall with two workers. Over 10 by up to a third: ``--budget_s``
+stops starting runs (the json stays resumable), and stage 2's third lr is the first to go.
 """
 
 from __future__ import annotations
