@@ -271,7 +271,7 @@ class LowRankSnapshot(SnapshotStore):
         """Whether a tensor of ``shape`` is kept as rank-``rank`` factors (at least 2-D and
         ``(m + n)·r < m·n`` for its ``m × n`` matrix view); otherwise it is stored dense."""
         shape = torch.Size(shape)
-        if len(shape) < 2:
+        if len(shape) < 2 or shape.numel() == 0:  # e.g. an FSDP rank's empty shard
             return False
         m, n = shape[0], shape.numel() // shape[0]
         return (m + n) * self.rank < m * n
