@@ -273,22 +273,32 @@ def _feed(store, delta, run):
 
 @pytest.mark.parametrize(("shape", "run"), [((300, 70), 1000), ((300, 70), 70), ((300, 70), 33),
                                             ((40, 5, 7), 12), ((257, 129), 20_000)])
-@pytest.mark.parametrize("scale", [1.0, 3.0])
-def test_a_low_rank_anchor_from_the_pass_is_the_capture_of_the_weights(shape, run, scale):
+def test_a_refused_searchs_low_rank_anchor_from_the_pass_is_the_capture(shape, run):
     """The pass hands Δ to the store run by run (runs that start and end inside rows, runs
-    shorter than a row); the new anchor ``anchor + scale·Δ`` built from it is the one a capture
-    of the weights gives, to float32 rounding, without reading the weights (here: NaNs), and
-    the random generator is where the capture leaves it (exact resume)."""
+    shorter than a row); the refused search's new anchor ``anchor + Δ`` built from it is the
+    one a capture of the weights gives, to float32 rounding, without reading the weights
+    (here: NaNs), and the random generator is where the capture leaves it (exact resume)."""
     store, twin, base, anchor = _observed_pair(shape)
     _feed(store, base - anchor, run)
-    new = anchor + scale * (base - anchor)
-    store.advance(0, torch.full(shape, float("nan")), scale)
-    twin.capture(0, new)
-    got, want = store.anchor(0, new.device), twin.anchor(0, new.device)
+    store.advance(0, torch.full(shape, float("nan")), 1.0)
+    twin.capture(0, base)
+    got, want = store.anchor(0, base.device), twin.anchor(0, base.device)
     assert torch.isfinite(got).all()
-    assert float((got - want).norm()) <= 1e-5 * float((new - store._refs[0]).norm())
+    assert float((got - want).norm()) <= 1e-5 * float((base - store._refs[0]).norm())
     assert torch.equal(store._generator.get_state(), twin._generator.get_state())
     assert store._observed == {}
+
+
+def test_an_accepted_jumps_low_rank_anchor_is_captured_from_the_weights():
+    """An accepted jump leaves ``anchor + (1 + c)·Δ``, whose products the pass did not form:
+    the store compresses the weights, from the warm start it drew in the pass, so the anchor
+    is the capture's bit for bit."""
+    store, twin, base, anchor = _observed_pair((90, 70))
+    _feed(store, base - anchor, 1000)
+    new = anchor + 3.0 * (base - anchor)
+    store.advance(0, new, 3.0)
+    twin.capture(0, new)
+    assert torch.equal(store.anchor(0, new.device), twin.anchor(0, new.device))
 
 
 def test_an_ill_conditioned_update_is_compressed_from_the_weights():

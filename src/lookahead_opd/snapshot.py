@@ -185,21 +185,24 @@ def _check_kind(state: Mapping[str, Any], kind: str, n: int) -> None:
 
 class _Observed:
     """What ``LowRankSnapshot.observe`` keeps of one entry's ``Δ`` during a search: the warm
-    start ``q`` it drew, ``[U | Y]`` (``Y = Δ·q`` row by row), the ``n × 2r`` sums
-    ``[ΔᵀU | ΔᵀY]``, the ``V`` it started from (a capture in between makes it stale), a row
-    being assembled across runs, and the next element it expects."""
+    start ``q`` it drew, the old ``U`` and ``VᵀQ``, ``Y = U·VᵀQ + Δ·q`` row by row, the
+    ``n × r`` sum ``ΔᵀY``, the ``V`` it started from (a capture in between makes it stale), a
+    row being assembled across runs, and the next element it expects."""
 
-    __slots__ = ("q", "uy", "grams", "v", "row", "stop")
+    __slots__ = ("q", "u", "vq", "y", "dty", "v", "row", "stop")
 
-    def __init__(self, q: Tensor, uy: Tensor, grams: Tensor, v: Tensor, row: Tensor) -> None:
-        self.q, self.uy, self.grams, self.v, self.row, self.stop = q, uy, grams, v, row, 0
+    def __init__(self, q: Tensor, u: Tensor, v: Tensor, m: int) -> None:
+        n, r = q.shape
+        self.q, self.u, self.v, self.vq, self.stop = q, u, v, v.to(q.device).T @ q, 0
+        self.y = torch.empty(m, r, device=q.device)
+        self.dty = torch.zeros(n, r, device=q.device)
+        self.row = torch.empty(n, device=q.device)
 
     def rows(self, first: int, d: Tensor) -> None:
-        """Whole rows ``first …`` of ``Δ``: their ``Y`` rows, and their share of the sums."""
-        r = self.q.shape[1]
-        block = self.uy[first : first + d.shape[0]]
-        block[:, r:] = d @ self.q
-        self.grams.addmm_(d.T, block)
+        """Whole rows ``first …`` of ``Δ``: their rows of ``Y``, and their share of ``ΔᵀY``."""
+        y = self.y[first : first + d.shape[0]]
+        torch.addmm(self.u[first : first + d.shape[0]] @ self.vq, d, self.q, out=y)
+        self.dty.addmm_(d.T, y)
 
 
 def _load_reference(reference: str | os.PathLike) -> Mapping[str, Tensor]:
@@ -300,24 +303,20 @@ class LowRankSnapshot(SnapshotStore):
         self._compress(index, tensor)
 
     def observe(self, index: int, start: int, delta: Tensor) -> None:
-        """For a compressed entry (and ``power_iters=1``), accumulate what its next capture
-        needs of ``Δ``: with ``Q`` the orthonormalized warm start (drawn here, at element 0,
-        as that capture would draw it), ``Y = Δ·Q`` and ``[ΔᵀU | ΔᵀY]``. The next anchor's
-        difference from the reference is ``D = U·Vᵀ + scale·Δ`` (``advance``), so its power
-        iteration ``D·Q``, ``QR``, ``Dᵀ·P`` needs no other pass over the weights. Whole rows
-        are multiplied; a row cut by a run's end waits in a buffer for the rest."""
+        """For a compressed entry (and ``power_iters=1``), accumulate what the capture of a
+        refused search's weights needs of ``Δ``: those weights are ``anchor + Δ``, so their
+        difference from the reference is ``D = U·Vᵀ + Δ``, and with ``Q`` the orthonormalized
+        warm start (drawn here, at element 0, as that capture would draw it) the power
+        iteration's ``Y = D·Q = U·VᵀQ + Δ·Q`` and ``DᵀY = V·UᵀY + ΔᵀY`` need ``Δ`` only,
+        which the pass holds: no other pass over the weights. Whole rows are multiplied; a row
+        cut by a run's end waits in a buffer for the rest."""
         entry = self._entries[index]
         if "V" not in entry or self.power_iters != 1:
             return
         m, n = self._shapes[index][0], self._shapes[index].numel() // self._shapes[index][0]
-        r = self.rank
         if start == 0:
-            uy = torch.empty(m, 2 * r, device=delta.device)
-            uy[:, :r] = entry["U"]
-            self._observed[index] = _Observed(
-                self._warm_start(index, delta.device), uy,
-                torch.zeros(n, 2 * r, device=delta.device), entry["V"],
-                torch.empty(n, device=delta.device))
+            self._observed[index] = _Observed(self._warm_start(index, delta.device),
+                                              entry["U"].to(delta.device), entry["V"], m)
         seen = self._observed.get(index)
         if seen is None or seen.stop != start:  # out of order: the capture reads the weights
             self._observed.pop(index, None)
@@ -341,33 +340,30 @@ class LowRankSnapshot(SnapshotStore):
 
     def advance(self, index: int, tensor: Tensor, scale: float | None, *, own: bool = False,
                 ) -> None:
-        """From a whole observed ``Δ``: ``Y = U·(VᵀQ) + scale·Δ·Q = P·R``, and
-        ``Dᵀ·P = V·(UᵀP) + scale·(ΔᵀU·VᵀQ + scale·ΔᵀΔQ)·R⁻¹``, the capture's result up to
-        rounding. When ``R`` is ill-conditioned (``cond > MAX_COND``: the difference has rank
-        < ``rank`` or a steep spectrum, and ``R⁻¹`` would amplify rounding) the capture reads
-        ``tensor`` instead, from the same warm start."""
+        """A refused search (``scale == 1``) with a whole observed ``Δ``: ``Y = P·R`` and the
+        new ``V = DᵀP = V·UᵀP + ΔᵀY·R⁻¹``, the capture's result up to rounding. Otherwise
+        (an accepted jump's ``anchor + (1 + c)·Δ``, whose products the pass did not form, or
+        an ``R`` too ill-conditioned to invert: ``cond > MAX_COND``, a difference of rank
+        < ``rank`` or a steep spectrum) the capture reads ``tensor``, from the same warm
+        start."""
         seen = self._observed.pop(index, None)
         entry = self._entries[index]
         if seen is None or seen.v is not entry.get("V"):
             self._compress(index, tensor)
             return
-        if scale is None or seen.stop != self._shapes[index].numel():
+        if scale != 1.0 or seen.stop != self._shapes[index].numel():
             self._compress(index, tensor, seen.q)  # the warm start drawn for it, not another
             return
-        r, q = self.rank, seen.q
-        u, v = seen.uy[:, :r], entry["V"].to(q.device)
-        vq = v.T @ q
-        p, tri = torch.linalg.qr(torch.addmm(seen.uy[:, r:], u, vq, beta=scale))
+        p, tri = torch.linalg.qr(seen.y)
         sv = torch.linalg.svdvals(tri)
         if not (bool(torch.isfinite(sv).all()) and float(sv[-1]) * self.MAX_COND > float(sv[0])):
-            self._compress(index, tensor, q)
+            self._compress(index, tensor, seen.q)
             return
-        grams = seen.grams
-        dtp = torch.linalg.solve_triangular(  # Δᵀ·P = Δᵀ·Y·R⁻¹
-            tri, torch.addmm(grams[:, r:], grams[:, :r], vq, beta=scale), upper=True, left=False)
+        dtp = torch.linalg.solve_triangular(tri, seen.dty, upper=True, left=False)  # Δᵀ·P
+        v = entry["V"].to(p.device)
         self._last_group = None
         self._entries[index] = {"U": p.to(tensor.device),
-                                "V": torch.addmm(dtp, v, u.T @ p, beta=scale).to(tensor.device)}
+                                "V": torch.addmm(dtp, v, seen.u.T @ p).to(tensor.device)}
 
     def _warm_start(self, index: int, device: torch.device) -> Tensor:
         """The orthonormal ``n × rank`` start of entry ``index``'s power iteration: the last
