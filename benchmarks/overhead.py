@@ -578,7 +578,8 @@ PARTS = [
     ("sketch", "sketch of Δ (secant cosine)"),
     ("apply", "candidate W_t + c·Δ written"),
     ("pass", "one pass: backup + Δ + candidate 1 (after only)"),
-    ("observe", "low-rank, after: Δ·Q, ΔᵀU and ΔᵀΔQ in the pass (the compression's products)"),
+    ("observe", "low-rank, after: Y = U·VᵀQ + Δ·Q and ΔᵀY in the pass (the compression's "
+                "products)"),
     ("restore", "restore W_t"),
     ("anchor", "new anchor: copy (full) / compression (low-rank; after: from the pass's products)"),
     ("rest", "the rest (bookkeeping)"),
