@@ -2,8 +2,9 @@
 own questions (which runs, what to compare, the report).
 
 - **cells and pairs**: the regime map's cells (task, prompts per step, teacher, optimizer) and
-  ``Pairs``, which loads each zoo pair once — from ``benchmarks/zoo``, the committed pairs, so a
-  study reproduces on another machine instead of rebuilding a different pair;
+  ``Pairs``, which loads each zoo pair once — from ``benchmarks/zoo``, the committed pairs, or
+  the package's shipped pairs (``zoo.SHIPPED_PAIRS``), so a study reproduces on another machine
+  instead of rebuilding a different pair;
 - ``opd_config``: an ``OPDConfig`` with the studies' defaults (full-vocabulary reverse KL, no
   progress bar, a scratch output folder per run);
 - ``run``: one OPD run through ``run_variant``, with its training clock, its gate accounting and

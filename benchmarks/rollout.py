@@ -39,33 +39,29 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.common import machine_info, markdown_table, stats, timed, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    QuickParser,
+    machine_info,
+    markdown_table,
+    stats,
+    timed,
+    write_results,
+)
 
 CPU = torch.device("cpu")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: few rounds, short pretrain")
+    p = QuickParser(__doc__, "smoke run: few rounds, short pretrain")
     p.add_argument("--student", default=None, help="a saved model directory to benchmark")
     p.add_argument("--cache-dir", default=None, help="zoo cache (default: $LOOKAHEAD_OPD_CACHE)")
     p.add_argument("--batch", type=int, default=64, help="prompts per rollout")
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds per engine (20; 2 quick)")
-    p.add_argument("--pushes", type=int, default=None, help="timed weight pushes (20; 3 quick)")
-    p.add_argument("--pretrain-steps", type=int, default=None,
-                   help="steps of the same-shape fallback model (300; 30 quick)")
+    p.quick_option("--rounds", 20, 2, "timed rounds per engine")
+    p.quick_option("--pushes", 20, 3, "timed weight pushes")
+    p.quick_option("--pretrain-steps", 300, 30, "steps of the same-shape fallback model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir",
-                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--suffix", default=None, help="file name suffix (default '' or '_quick')")
-    p.add_argument("--no-write", action="store_true", help="print only, write no files")
-    args = p.parse_args()
-    for key, full, quick in (("rounds", 20, 2), ("pushes", 20, 3), ("pretrain_steps", 300, 30)):
-        if getattr(args, key) is None:
-            setattr(args, key, quick if args.quick else full)
-    if args.suffix is None:
-        args.suffix = "_quick" if args.quick else ""
-    return args
+    p.add_output_args()
+    return p.parse_args()
 
 
 # --------------------------------------------------------------------------- the student

@@ -42,6 +42,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
+    QuickParser,
     machine_info,
     previous_results,
     stats,
@@ -50,12 +51,11 @@ from benchmarks.common import (  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: few steps")
+    p = QuickParser(__doc__, "smoke run: few steps")
     p.add_argument("--student", default=None, help="a saved student directory")
     p.add_argument("--teacher", default=None, help="a saved teacher directory (served too)")
     p.add_argument("--batch", type=int, default=32, help="prompts per OPD step")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per condition (20; 3 quick)")
+    p.quick_option("--steps", 20, 3, "timed steps per condition")
     p.add_argument("--inflight", type=int, nargs=2, default=[1, 8],
                    help="the two --teacher_max_inflight levels")
     p.add_argument("--seed", type=int, default=0)
@@ -68,16 +68,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--teacher-steps", type=int, default=1000, help="--parity: pretraining steps")
     p.add_argument("--pair-dir", default=None, help="--parity: where the pair is kept (reused)")
     p.add_argument("--fresh", action="store_true", help="--parity: ignore earlier results")
-    p.add_argument("--output-dir",
-                   default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--suffix", default=None, help="file name suffix (default '' or '_quick')")
-    p.add_argument("--no-write", action="store_true", help="print only, write no files")
-    args = p.parse_args()
-    if args.steps is None:
-        args.steps = 3 if args.quick else 20
-    if args.suffix is None:
-        args.suffix = "_quick" if args.quick else ""
-    return args
+    p.add_output_args()
+    return p.parse_args()
 
 
 def save_models(workdir: Path, seed: int) -> tuple[Path, Path, dict[str, Any]]:

@@ -28,9 +28,10 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["GGUFWheelSource", "SOURCES", "EXTRA", "is_named_source", "check_source",
-           "resolve_model", "weights_digest", "write_delta", "apply_delta"]
+           "resolve_model", "weights_digest", "write_delta", "write_lora_delta", "apply_delta"]
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +245,6 @@ def write_delta(folder: str | os.PathLike, base: str | os.PathLike,
     the file's metadata: a model trained in a few blocks (``train_top_blocks``) ships as those
     blocks alone. Returns the names saved."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     base_folder = Path(resolve_model(str(base)))
     changed = {}
@@ -257,18 +257,49 @@ def write_delta(folder: str | os.PathLike, base: str | os.PathLike,
             if not (t.shape == theirs.get_tensor(name).shape
                     and t.equal(theirs.get_tensor(name))):
                 changed[name] = t.contiguous()
+    _save_delta(changed, base, base_folder, path)
+    return sorted(changed)
+
+
+def write_lora_delta(model: Any, base: str | os.PathLike, path: str | os.PathLike) -> list[str]:
+    """Save the LoRA adapters of ``model`` (``opd.lora.add_lora``, trained from ``base``: a
+    folder or a named source) to the safetensors file ``path`` as two factors per adapted
+    weight, ``<name>.lora_up`` (out × r) and ``<name>.lora_down`` (r × in), whose product
+    ``apply_delta`` adds to the base's weight: a rank-16 adapter on every block of SmolLM2-135M
+    is ~20 MB in float32, where the merged weights would be the whole model. Returns the
+    adapted weights' names."""
+    from .opd.lora import lora_deltas
+
+    deltas = lora_deltas(model)
+    if not deltas:
+        raise ValueError("the model has no LoRA adapters (add_lora) to save")
+    factors = {}
+    for name, (up, down) in deltas.items():
+        factors[f"{name}{_UP}"], factors[f"{name}{_DOWN}"] = up, down
+    _save_delta(factors, base, Path(resolve_model(str(base))), path)
+    return sorted(deltas)
+
+
+_UP, _DOWN = ".lora_up", ".lora_down"  # a low-rank delta: base weight += up @ down
+
+
+def _save_delta(tensors: dict[str, Any], base: str | os.PathLike, base_folder: Path,
+                path: str | os.PathLike) -> None:
+    """``tensors`` to ``path`` atomically, tied to the base by its weights digest."""
+    from safetensors.torch import save_file
+
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(f"{path}.tmp")
-    save_file(changed, str(tmp), metadata={"base": str(base),
-                                           "base_weights_sha256": weights_digest(base_folder)})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={
+        "base": str(base), "base_weights_sha256": weights_digest(base_folder)})
     os.replace(tmp, path)
-    return sorted(changed)
 
 
 def apply_delta(base: str | os.PathLike, delta: str | os.PathLike,
                 out: str | os.PathLike) -> Path:
-    """Rebuild a model written by ``write_delta``: ``base``'s folder (config, tokenizer) with
-    the delta's tensors in place of the base's, saved to ``out`` atomically. Refuses a base
+    """Rebuild a model written by ``write_delta`` or ``write_lora_delta``: ``base``'s folder
+    (config, tokenizer) with the delta's tensors in place of the base's (a low-rank pair added
+    to the base's weight), saved to ``out`` atomically. Refuses a base
     whose weights digest is not the one the delta was made from."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -282,9 +313,15 @@ def apply_delta(base: str | os.PathLike, delta: str | os.PathLike,
                          f"holds {got[:12]}…")
     weights = load_file(str(base_folder / "model.safetensors"))
     update = load_file(str(delta))
-    unknown = sorted(set(update) - set(weights))
+    low_rank = {k[: -len(_UP)] for k in update if k.endswith(_UP)}
+    unknown = sorted({k for k in update if not k.endswith((_UP, _DOWN))} - set(weights)
+                     | {k for k in low_rank if k not in weights or f"{k}{_DOWN}" not in update})
     if unknown:
         raise ValueError(f"delta {delta} has tensors {unknown[:3]} that {base} does not")
+    for name in low_rank:  # in float32 whatever the stored dtype, then back to the base's
+        w = weights[name]
+        w = w.float() + update.pop(f"{name}{_UP}").float() @ update.pop(f"{name}{_DOWN}").float()
+        weights[name] = w.to(weights[name].dtype)
     weights.update(update)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,16 +1,23 @@
-"""``lookahead-opd demo``: plain OPD vs EffOPD from the same student, measured side by side.
+"""``lookahead-opd demo``: what EffOPD is for, measured — a run from a conservative learning
+rate, against plain OPD from the same lr and plain OPD at the best lr.
 
-1. Build (or load from the cache) a tiny base model pretrained from scratch on generated
-   arithmetic, and a teacher: the same base trained further (``--teacher_regime same-base``,
-   the paper's setting) or an independently trained model (``independent``).
-2. Distill the base toward the teacher twice with the same seed, prompts and rollout seeds:
-   plain AdamW, then AdamW wrapped in ``ExtrapolatingOptimizer`` gated on a fixed gate set.
-3. Report steps and wall-clock (rollouts, scoring, updates and gate evaluations; the
-   measurement evals are excluded) to reach 90% of the teacher's accuracy, final accuracy and
-   accepted jumps; write ``results.json`` and ``accuracy_vs_step.png`` under ``--output_dir``.
+1. Load the pair: by default the one shipped with the package (``integrations/opd/pairs``: a
+   tiny base on generated arithmetic and its Dr. GRPO teacher), the pair of
+   ``benchmarks/results/lr_basin.md``'s ``short-512/rl/adamw`` cell; other ``--size`` /
+   ``--teacher_regime`` / ``--seed`` values build one from scratch (minutes, then cached).
+2. Distill the base toward the teacher from the same seed, prompts and rollout seeds, with no
+   lr warm-up: plain AdamW at ``--learning_rate`` (the reference: 5e-4, AdamW's best on the
+   shipped pair in ``lr_basin.md``), then from the conservative lr ``--learning_rate`` ×
+   ``--conservative``: plain AdamW, AdamW wrapped in ``ExtrapolatingOptimizer`` (EffOPD) and,
+   with ``--follow``, EffOPD with the experimental ``lr_follow``. Each run stops at
+   ``--target_fraction`` of the teacher's gain over the base.
+3. Report steps and training seconds (rollouts, scoring, updates and gate evaluations; the
+   measurement evals excluded) to 75% of the gain and to the target, final accuracy, kept jumps,
+   each EffOPD run's ``summary()`` and what it hints, and a conclusion drawn from these numbers;
+   write ``results.json`` and ``accuracy_vs_step.png`` under ``--output_dir``.
 
-The demo reports what it measures: on tiny models a speed-up is not guaranteed (see
-``docs/algorithm.md``), and the table says so when EffOPD does not help.
+The demo reports what it measures: one seed on a tiny model, stated as such; the lr basin
+report has the other starting lrs (best/32 to best×2) and the lr-free Mechanic and Prodigy.
 """
 
 from __future__ import annotations
@@ -32,37 +39,48 @@ from ..cli_support import check_output_dir, quiet_loading_bars
 from .config import OPDConfig, parse_dataclass, with_defaults
 from .zoo import TEACHER_REGIMES, ZOO_SIZES
 
-__all__ = ["DemoConfig", "run_demo", "main", "format_table"]
+__all__ = ["DemoConfig", "run_demo", "main", "format_table", "conclusion", "reading", "FOLLOW_CAP"]
 
 
-# The demo's defaults where they differ from a training run's. From
-# benchmarks/results/speedup.md: at 64 prompts per step no run reached 0.9x the teacher in 600
-# steps; at 256 both plain OPD and EffOPD did, in 330-360 steps. The loss is the full-vocabulary
-# reverse_kl: the sampled-token reverse_kl_pg barely learns this task from a near one-hot teacher.
-_DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=450, batch_size=256,
-                              learning_rate=1e-3, warmup_steps=4, loss="reverse_kl")
+# The demo's defaults where they differ from a training run's: those of benchmarks/lr_basin.py
+# (its short-512/rl/adamw cell, on the same shipped pair), so the demo reruns that report's
+# seed-0 runs: 512 prompts per step, the full-vocabulary reverse KL (the sampled-token
+# reverse_kl_pg barely learns this task), no lr warm-up (early kept jumps mostly made up for a
+# warm-up, regimes-nowarmup), greedy accuracy every 4 steps on the whole test split (973
+# problems; ``eval_size`` is capped at the split), EffOPD gated on −reverse KL over 128 fixed rollouts, a 300-step cap.
+_DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=300, batch_size=512,
+                              learning_rate=5e-4, warmup_steps=0, loss="reverse_kl",
+                              eval_every=4, eval_size=1000, gate="neg_kl", gate_size=128)
+FOLLOW_CAP = 32.0  # lr_follow's cap in benchmarks/lr_basin.py: enough to climb from best/32
+HEADLINE_FRACTION = 0.75  # of the gain: the lr basin report's headline target (or the stop's, if lower)
 
 
 @dataclass
 class DemoConfig(_DemoDefaults):
     """Options of ``lookahead-opd demo`` (the CLI is generated from this dataclass): every
-    ``OPDConfig`` option of both runs, plus how the models are built and the target. The demo
-    sets ``student``, ``teacher`` (the built pair), ``extrapolate`` (one run each) and each
-    run's ``output_dir`` (under this one) itself, so those get no flag; it runs in one process,
-    so neither do the FSDP options."""
+    ``OPDConfig`` option of the runs, plus how the models are built, the conservative lr and
+    the target. The demo sets ``student``, ``teacher`` (the pair), ``extrapolate``,
+    ``lr_follow`` and ``stop_at_accuracy`` (per run) and each run's ``output_dir`` (under this
+    one) itself, so those get no flag; it runs in one process, so neither do the FSDP
+    options."""
 
     CLI_HIDDEN: ClassVar[tuple[str, ...]] = ("student", "teacher", "extrapolate", "resume",
                                              "overwrite_output_dir", "fsdp", "fsdp_teacher",
                                              "fsdp_mixed_precision", "teacher_url", "teachers",
                                              "teacher_key", "default_teacher",
                                              "teacher_max_inflight", "teacher_timeout",
-                                             "teacher_retries")
+                                             "teacher_retries", "lr_follow", "stop_at_accuracy")
 
     cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
-                                   "~/.cache/lookahead-opd)")
+                                   "~/.cache/lookahead-opd); the shipped pair needs none")
     size: str = option("tiny", "model size in the zoo", choices=tuple(ZOO_SIZES))
-    teacher_regime: str = option(TEACHER_REGIMES[0], "teacher", choices=TEACHER_REGIMES)
-    target_fraction: float = option(0.9, "target = this × teacher accuracy")
+    teacher_regime: str = option("rl", "teacher", choices=TEACHER_REGIMES)
+    conservative: float = option(1 / 16, "the conservative runs start at learning_rate × this "
+                                 "(< 1)")
+    follow: bool = option(True, "also run EffOPD with lr_follow (experimental) from the "
+                          "conservative lr", negated_help="no EffOPD + lr_follow run")
+    target_fraction: float = option(0.9, "runs stop at this fraction of the teacher's gain over "
+                                    "the base (test-split accuracies)")
     export_dir: str | None = option(None, "copy the student and teacher here, as student/ and "
                                     "teacher/, for `lookahead-opd train` (default: "
                                     "<output_dir>/models)")
@@ -82,6 +100,9 @@ class DemoConfig(_DemoDefaults):
         super().validate(check_paths=False)
         if not 0 < self.target_fraction <= 1:
             raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
+        if not 0 < self.conservative < 1:
+            raise ValueError(f"conservative must be in (0, 1): a factor below the reference "
+                             f"learning_rate; got {self.conservative}")
         if check_paths:
             check_output_dir(self.output_dir)
             check_output_dir(str(self.models_dir()), "export_dir")
@@ -90,19 +111,36 @@ class DemoConfig(_DemoDefaults):
         """Where the built student and teacher are copied."""
         return Path(self.export_dir) if self.export_dir else Path(self.output_dir) / "models"
 
+    def plan(self) -> list[dict[str, Any]]:
+        """The runs, in order: name, what it is, lr, and its ``OPDConfig`` fields."""
+        ref, low = self.learning_rate, self.learning_rate * self.conservative
+        runs = [dict(name="reference", label="plain OPD at the reference lr", lr=ref, fields={}),
+                dict(name="plain", label="plain OPD from the conservative lr", lr=low, fields={}),
+                dict(name="effopd", label="EffOPD from the conservative lr", lr=low,
+                     fields={"extrapolate": True})]
+        if self.follow:
+            runs.append(dict(name="effopd-follow", label="EffOPD + lr_follow (experimental)",
+                             lr=low, fields={"extrapolate": True, "lr_follow": FOLLOW_CAP}))
+        return runs
 
-def _run_one(cfg: DemoConfig, models: dict[str, Any], *, extrapolate: bool) -> dict[str, Any]:
+
+def _run_one(cfg: DemoConfig, models: dict[str, Any], run: dict[str, Any],
+             stop_at: float) -> dict[str, Any]:
     from .compare import run_variant
     from .tasks import load_task
 
-    name = "effopd" if extrapolate else "opd"
+    task = load_task(cfg.task)
     config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
                           "student": models["student_path"], "teacher": models["teacher_path"],
-                          "output_dir": str(Path(cfg.output_dir) / name),
-                          "extrapolate": extrapolate, "resume": False,
-                          "overwrite_output_dir": True})  # each demo remakes its runs
-    return run_variant(config, models["student"], models["teacher"], load_task(cfg.task),
-                       models["tokenizer"], engine_batch_size=256)
+                          "output_dir": str(Path(cfg.output_dir) / run["name"]),
+                          "learning_rate": run["lr"], "extrapolate": False, "lr_follow": None,
+                          **run["fields"], "stop_at_accuracy": stop_at, "resume": False,
+                          "overwrite_output_dir": True,  # each demo remakes its runs
+                          # at most the whole test split (the default asks for all of it)
+                          "eval_size": min(cfg.eval_size, len(task.problems("test")))})
+    # The engine batch of benchmarks/harness.py's runs, so the demo reruns lr_basin's.
+    return run_variant(config, models["student"], models["teacher"], task, models["tokenizer"],
+                       engine_batch_size=1024)
 
 
 def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path, Path]:
@@ -120,7 +158,7 @@ def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path,
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Build or load the models, run plain OPD and EffOPD, write and return the results."""
+    """Load (or build) the pair, run ``cfg.plan()``, write and return the results."""
     import torch
 
     from .zoo import build_pair
@@ -137,8 +175,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                                              cfg.models_dir())
     print(f"models: --student {student_dir} --teacher {teacher_dir} (for lookahead-opd train)",
           flush=True)
-    teacher_acc = pair.accuracies["teacher"]
-    target = cfg.target_fraction * teacher_acc
+    base, teacher_acc = pair.accuracies["student"], pair.accuracies["teacher"]
+    fractions = sorted({min(HEADLINE_FRACTION, cfg.target_fraction), cfg.target_fraction})
+    targets = {f"{f:g}": base + f * (teacher_acc - base) for f in fractions}
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .compare import steps_to_target
@@ -147,67 +186,125 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
               "tokenizer": AutoTokenizer.from_pretrained(pair.student_path),
               "student": AutoModelForCausalLM.from_pretrained(pair.student_path, dtype=torch.float32),
               "teacher": AutoModelForCausalLM.from_pretrained(pair.teacher_path, dtype=torch.float32)}
-    runs = {"opd": _run_one(cfg, models, extrapolate=False),
-            "effopd": _run_one(cfg, models, extrapolate=True)}
-    for run in runs.values():
-        step = steps_to_target(run["evals"], target)
-        run["steps_to_target"] = step
-        run["seconds_to_target"] = None if step is None else run["train_seconds"][step]
+    runs: dict[str, Any] = {}
+    for spec in cfg.plan():
+        print(f"run {len(runs) + 1}: {spec['label']}, lr {spec['lr']:g}", flush=True)
+        run = _run_one(cfg, models, spec, targets[f"{cfg.target_fraction:g}"])
+        run.update(label=spec["label"], lr=spec["lr"],
+                   extrapolate=spec["fields"].get("extrapolate", False))
+        for key, target in targets.items():
+            step = steps_to_target(run["evals"], target)
+            run[f"steps_{key}"] = step
+            run[f"seconds_{key}"] = None if step is None else run["train_seconds"][step]
+        run["train_clock"] = run["train_seconds"][max(run["train_seconds"])]
         run["accepted_jumps"] = sum(j["accepted"] is not None for j in run["jumps"])
         run["searches"] = len(run["jumps"])
+        runs[spec["name"]] = run
     results = {
         "config": dataclasses.asdict(cfg),
         "models": {"student": str(student_dir), "teacher": str(teacher_dir),
+                   "pair": Path(pair.student_path).parent.name,
                    "cache": {"student": str(pair.student_path), "teacher": str(pair.teacher_path)},
                    "accuracies": pair.accuracies, "build_seconds": build_seconds},
+        "student_accuracy": base,
         "teacher_accuracy": teacher_acc,
-        "target_accuracy": target,
+        "targets": targets,
+        "lrs": {"reference": cfg.learning_rate,
+                "conservative": cfg.learning_rate * cfg.conservative},
         "runs": runs,
-        "speedup_steps": _ratio(runs["opd"]["steps_to_target"], runs["effopd"]["steps_to_target"]),
-        "speedup_seconds": _ratio(runs["opd"]["seconds_to_target"], runs["effopd"]["seconds_to_target"]),
     }
+    results["conclusion"] = conclusion(results)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / "accuracy_vs_step.png")
     return results
 
 
-def _ratio(plain: float | None, wrapped: float | None) -> float | None:
-    if plain is None or wrapped is None or wrapped == 0:
-        return None
-    return plain / wrapped
+def reading(summary: dict[str, Any]) -> str:
+    """``ExtrapolatingOptimizer.summary()`` (as ``Summary.to_dict``) in one line, and what it
+    hints: ``extra_distance`` ≥ 1 (the kept jumps moved the weights further than the optimizer
+    did) hints that the learning rate is too small (``Summary``'s doc)."""
+    from lookahead_opd.extrapolator import Summary
+
+    s = Summary(**summary)
+    if s.kept_jumps == 0:
+        hint = "no jump kept: the run was plain OPD plus its gate"
+    elif s.extra_distance >= 1:
+        hint = (f"the kept jumps moved the weights {s.extra_distance:.1f}x as far as the "
+                "optimizer did: a hint that the learning rate is too small")
+    else:
+        hint = ("the kept jumps added less than the optimizer's own distance: no strong hint "
+                "that the learning rate is too small")
+    return f"{s}. Reading: {hint}."
+
+
+def _steps(run: dict[str, Any], key: str) -> str:
+    s = run[f"steps_{key}"]
+    return "not reached" if s is None else str(s)
+
+
+def conclusion(results: dict[str, Any]) -> str:
+    """One paragraph drawn from the run's own numbers: how far EffOPD from the conservative lr
+    got toward 75% of the gain (the first of ``targets``), against plain OPD from the same lr
+    and at the reference lr."""
+    runs, lrs, cfg = results["runs"], results["lrs"], results["config"]
+    key = next(iter(results["targets"]))
+    ref, plain, eff = runs["reference"], runs["plain"], runs["effopd"]
+    k, m, n = ref[f"steps_{key}"], plain[f"steps_{key}"], eff[f"steps_{key}"]
+    text = (f"Steps to {float(key):.0%} of the gain from lr {lrs['conservative']:g} (the "
+            f"reference {lrs['reference']:g} x {cfg['conservative']:g}): EffOPD {_steps(eff, key)}, "
+            f"plain OPD {_steps(plain, key)}")
+    if "effopd-follow" in runs:
+        text += f", EffOPD + lr_follow (experimental) {_steps(runs['effopd-follow'], key)}"
+    text += (f"; plain OPD at the reference lr {_steps(ref, key)} ('not reached': not within "
+             f"{cfg['max_steps']} steps)")
+    share = eff["gate_seconds"] / eff["train_clock"] if eff["train_clock"] else 0.0
+    text += (f". EffOPD's gate cost {eff['gate_evals']} evaluations ({eff['gate_seconds']:.1f} s, "
+             f"{share:.0%} of its training clock) and kept {eff['accepted_jumps']} of "
+             f"{eff['searches']} jumps. ")
+    if n is None:
+        text += "EffOPD did not get there from the conservative lr on this run."
+    elif k is None or n <= k:
+        text += ("EffOPD from the conservative lr was at least as fast as plain OPD at the "
+                 "reference lr: here the too-small lr cost nothing.")
+    elif m is None or n < m:
+        fewer = f"{m - n} steps fewer than plain" if m is not None else "plain did not get there"
+        text += (f"EffOPD made up part of the too-small lr ({fewer}), not all of it: plain OPD "
+                 f"at the reference lr was still {n / k:.1f}x faster.")
+    else:
+        text += "EffOPD was no faster than plain OPD from the conservative lr on this run."
+    return (text + " One seed on a tiny model: benchmarks/results/lr_basin.md has the other "
+            "starting lrs (best/32 to best x 2) and the lr-free Mechanic and Prodigy.")
 
 
 def format_table(results: dict[str, Any]) -> str:
-    """The demo's printed summary."""
-    t = results["target_accuracy"]
+    """The demo's printed summary: the pair and targets, one row per run, each EffOPD run's
+    ``summary()`` reading, and the conclusion."""
+    cfg, lrs, targets = results["config"], results["lrs"], results["targets"]
+    keys = list(targets)
     lines = [
-        f"teacher accuracy {results['teacher_accuracy']:.1%}, student start "
-        f"{results['runs']['opd']['evals'][0][1]:.1%}, target {t:.1%} "
-        f"({results['config']['target_fraction']:g} x teacher)",
+        f"pair {results['models']['pair']}: student {results['student_accuracy']:.1%} -> teacher "
+        f"{results['teacher_accuracy']:.1%} (test split); "
+        + ", ".join(f"{float(k):.0%} of the gain = {t:.1%}" for k, t in targets.items()),
+        f"reference lr {lrs['reference']:g} (--learning_rate), conservative lr "
+        f"{lrs['conservative']:g} (x {cfg['conservative']:g}, --conservative); no warm-up",
         "",
-        f"{'run':<8} {'steps to target':>16} {'seconds to target':>18} {'final acc':>10} "
+        f"{'run':<14} {'lr':>9} " + " ".join(f"{'steps to ' + f'{float(k):.0%}':>13}" for k in keys)
+        + f" {'seconds to ' + f'{float(keys[-1]):.0%}':>14} {'final acc':>10} "
         f"{'jumps kept/searches':>20} {'gate evals':>11}",
     ]
     for name, r in results["runs"].items():
-        steps = "not reached" if r["steps_to_target"] is None else str(r["steps_to_target"])
-        secs = "—" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
-        jumps = "—" if name == "opd" else f"{r['accepted_jumps']}/{r['searches']}"
-        gates = "—" if name == "opd" else str(r["gate_evals"])
-        lines.append(f"{name:<8} {steps:>16} {secs:>18} {r['final_accuracy']:>10.1%} {jumps:>20} {gates:>11}")
-    s, w = results["speedup_steps"], results["speedup_seconds"]
+        steps = " ".join(f"{'—' if r[f'steps_{k}'] is None else r[f'steps_{k}']:>13}" for k in keys)
+        secs = r[f"seconds_{keys[-1]}"]
+        jumps = f"{r['accepted_jumps']}/{r['searches']}" if r["extrapolate"] else "—"
+        gates = str(r["gate_evals"]) if r["extrapolate"] else "—"
+        lines.append(f"{name:<14} {r['lr']:>9.3g} {steps} {'—' if secs is None else f'{secs:.1f}':>14} "
+                     f"{r['final_accuracy']:>10.1%} {jumps:>20} {gates:>11}")
+    lines.append(f"('—': not reached in {cfg['max_steps']} steps)")
     lines.append("")
-    if s is None:
-        lines.append("speed-up: not measurable (a run did not reach the target)")
-    else:
-        every = results["config"]["eval_every"]
-        if w is not None and s > 1.1 and w > 1.1:
-            verdict = "EffOPD was faster on this seed"
-        elif w is not None and (s < 0.9 or w < 0.9):
-            verdict = "EffOPD was slower on this seed"
-        else:
-            verdict = (f"no clear difference (one seed, accuracy measured every {every} steps; "
-                       "benchmarks/results/speedup.md has several)")
-        lines.append(f"speed-up (OPD / EffOPD): {s:.2f}x in steps, {w:.2f}x in wall-clock: {verdict}")
+    for name, r in results["runs"].items():
+        if r.get("summary"):
+            lines.append(f"{name} summary(): {reading(r['summary'])}")
+    lines += ["", results["conclusion"]]
     return "\n".join(lines)
 
 
@@ -217,20 +314,27 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, label in (("opd", "OPD"), ("effopd", "EffOPD")):
-        steps, acc = zip(*results["runs"][name]["evals"], strict=True)
-        ax.plot(steps, acc, marker=".", label=label)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    styles = {"reference": dict(color="black", ls="--"), "plain": dict(color="tab:blue"),
+              "effopd": dict(color="tab:orange"), "effopd-follow": dict(color="tab:green")}
+    for name, r in results["runs"].items():
+        steps, acc = zip(*r["evals"], strict=True)
+        ax.plot(steps, acc, marker=".", ms=3, label=f"{r['label']} ({r['lr']:.3g})",
+                **styles.get(name, {}))
     kept = [j["step"] for j in results["runs"]["effopd"]["jumps"] if j["accepted"] is not None]
     for k, s in enumerate(kept):
-        ax.axvline(s, color="tab:orange", alpha=0.3, ls="--", label="accepted jump" if k == 0 else None)
-    ax.axhline(results["target_accuracy"], color="gray", ls=":", label="target")
+        ax.axvline(s, color="tab:orange", alpha=0.25, ls=":",
+                   label="EffOPD kept a jump" if k == 0 else None)
+    for key, t in results["targets"].items():
+        ax.axhline(t, color="gray", ls=":", lw=0.8)
+        ax.annotate(f"{float(key):.0%} of the gain", (0, t), fontsize=7, color="gray",
+                    xytext=(2, 2), textcoords="offset points")
     ax.axhline(results["teacher_accuracy"], color="black", ls=":", lw=0.8, label="teacher")
     ax.set_xlabel("OPD step")
     ax.set_ylabel("greedy accuracy (held-out)")
-    ax.set_ylim(0, 1.02)
-    ax.legend(loc="lower right")
-    ax.set_title("OPD vs EffOPD from the same student")
+    ax.legend(loc="lower right", fontsize=7)
+    ax.set_title("From a conservative lr: plain OPD vs EffOPD (dashed: plain OPD at the "
+                 "reference lr)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

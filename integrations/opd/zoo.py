@@ -17,7 +17,9 @@ the steep part of its learning curve (the student), then makes a teacher by one 
 Both models are saved with ``save_pretrained`` (weights, config, tokenizer), so every code path
 that takes a Hugging Face model directory takes them; ``build.json`` beside them (``ZooPair.meta``)
 holds accuracies, steps, seconds, ``‖T−B‖/‖B‖`` and the regime's own numbers. Builds are cached
-by their parameters and written atomically.
+by their parameters and written atomically. A build the cache lacks but ``SHIPPED_PAIRS`` holds
+(committed with the package) is loaded from there instead of built: zoo builds are seeded but
+differ across machines and thread counts, and the demo's numbers should reproduce anywhere.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ from ..cli_support import check_device
 from .tasks import SPLITS, Problem, Task, load_task
 from .tokenizer import char_tokenizer, save_tokenizer
 
-__all__ = ["ZOO_SIZES", "ZooPair", "cache_root", "context_length", "make_model", "pretrain", "greedy_accuracy",
+__all__ = ["ZOO_SIZES", "SHIPPED_PAIRS", "ZooPair", "cache_root", "context_length", "make_model", "pretrain", "greedy_accuracy",
            "build_pair", "remove_stale_builds", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
            "TEACHER_MIN", "RL_BASE_RANGE", "RL_MIN_GAIN", "RL_MAX_DISTANCE_RATIO", "RL_SETTINGS"]
 
 logger = logging.getLogger(__name__)
 
 ZOO_VERSION = "3"
+# Pairs committed with the package (package data; ``pairs/README.md`` lists them): the demo's.
+SHIPPED_PAIRS = Path(__file__).resolve().parent / "pairs"
 # How the teacher is made (see the module doc).
 TEACHER_REGIMES = ("same-base", "independent", "rl", "retention")
 BASE_RANGE = (0.05, 0.40)
@@ -319,6 +323,8 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
     final = root / name
     if (final / "build.json").is_file():
         return _load_pair(final)
+    if (SHIPPED_PAIRS / name / "build.json").is_file():  # read in place, never written
+        return _load_pair(SHIPPED_PAIRS / name)
 
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}{_TMP}{os.getpid()}-", dir=root))

@@ -213,9 +213,11 @@ def test_zoo_removes_killed_builds_through_the_demo(tmp_path, capsys):
     the process gone or untouched for an hour; a live build's folder stays. It exports the
     models to a stable place and prints it; ``train`` runs on them."""
     pytest.importorskip("matplotlib")
+    from lookahead_opd.integrations.opd.demo import DemoConfig
     from lookahead_opd.integrations.opd.zoo import build_pair
 
-    pair = build_pair(progress=False)  # the default cache: built once, then cached
+    # The demo's pair: shipped with the package, or the default cache's build of it.
+    pair = build_pair(teacher_regime=DemoConfig.teacher_regime, progress=False)
     cache = tmp_path / "cache"
     cache.mkdir()
     (cache / pair.student_path.parent.name).symlink_to(pair.student_path.parent)

@@ -51,3 +51,32 @@ def test_named_sources_in_the_model_checks(tmp_path, monkeypatch):
     _saved(tmp_path / "smollm2-135m-gguf")
     check_model_ref("student", "smollm2-135m-gguf")
     assert model_sources.resolve_model("smollm2-135m-gguf") == "smollm2-135m-gguf"
+
+
+def test_a_lora_delta_is_two_factors_per_weight_and_rebuilds_the_adapted_model(tmp_path):
+    pytest.importorskip("peft")
+    from lookahead_opd.integrations.model_sources import write_lora_delta
+    from lookahead_opd.integrations.opd.lora import add_lora
+    from transformers import AutoModelForCausalLM
+
+    base = _saved(tmp_path / "base")
+    ids = torch.randint(97, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = base(ids).logits
+    names = add_lora(base, rank=2)
+    assert torch.equal(base(ids).logits, before)  # B = 0: the adapter starts as a no-op
+    assert len(names) == 2 * 7  # q, k, v, o, gate, up, down in each of the 2 blocks
+    assert {n for n, p in base.named_parameters() if p.requires_grad} == {
+        n for n, _ in base.named_parameters() if ".lora_" in n}
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.05)
+    adapted = base(ids).logits
+    assert not torch.allclose(adapted, before)
+    saved = write_lora_delta(base, tmp_path / "base", tmp_path / "lora.safetensors")
+    assert saved == sorted(names)
+    out = apply_delta(tmp_path / "base", tmp_path / "lora.safetensors", tmp_path / "rebuilt")
+    rebuilt = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(rebuilt(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no LoRA adapters"):
+        write_lora_delta(rebuilt, tmp_path / "base", tmp_path / "none.safetensors")

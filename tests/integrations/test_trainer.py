@@ -28,8 +28,11 @@ def tokenizer():
     return char_tokenizer()
 
 
-def _trainer(tmp_path, tokenizer, *, teacher_seed: int | None = 1, **options) -> OPDTrainer:
+def _trainer(tmp_path, tokenizer, *, teacher_seed: int | None = 1, prepare=None,
+             **options) -> OPDTrainer:
     student = _model(tokenizer, 0)
+    if prepare is not None:  # e.g. adapters, before the teacher copies the student
+        prepare(student)
     if teacher_seed is None:
         teacher = copy.deepcopy(student)
     else:  # a confident teacher, far from the near-uniform random student
@@ -194,6 +197,25 @@ def test_train_top_blocks_trains_and_jumps_only_the_top_blocks(tmp_path, tokeniz
     assert changed and all(k.startswith("model.layers.1.") for k in changed), changed
     trained = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     assert trained == {id(p) for p in t.student.model.layers[1].parameters()}
+
+
+def test_a_lora_student_trains_only_its_adapters_and_resumes_exactly(tmp_path, tokenizer):
+    pytest.importorskip("peft")
+    from lookahead_opd.integrations.opd.lora import add_lora
+
+    opts = dict(prepare=lambda m: add_lora(m, rank=2), save_every=1, max_steps=3)
+    full = _trainer(tmp_path / "full", tokenizer, **opts)
+    start = {k: v.clone() for k, v in full.student.state_dict().items()}
+    full.train()
+    changed = {k for k, v in full.student.state_dict().items() if not torch.equal(v, start[k])}
+    assert changed and all(".lora_" in k for k in changed), changed
+    first = _trainer(tmp_path / "split", tokenizer, **{**opts, "max_steps": 2})
+    first.train()
+    resumed = _trainer(tmp_path / "split", tokenizer, **{**opts, "resume": True})
+    resumed.train()
+    for (k, a), b in zip(full.student.state_dict().items(), resumed.student.state_dict().values(),
+                         strict=True):
+        assert torch.equal(a, b), k
 
 
 def test_train_top_blocks_bad_values(tmp_path, tokenizer):

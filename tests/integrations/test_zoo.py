@@ -91,6 +91,22 @@ def test_retention_regime_measures_the_retained_tasks(tmp_path):
     assert task.ops == "+"
 
 
+def test_a_shipped_pair_loads_without_a_build_and_a_cached_build_wins(tmp_path):
+    """``build_pair`` loads a pair shipped with the package (the demo's) when the cache lacks it,
+    writing nothing; the cache's own build of the same key comes first."""
+    shipped = sorted(p for p in zoo.SHIPPED_PAIRS.iterdir() if (p / "build.json").is_file())
+    assert shipped, "no pair shipped with the package"
+    pair = zoo.build_pair(tmp_path / "cache", teacher_regime="rl", progress=False)
+    assert pair.student_path.parent.parent == zoo.SHIPPED_PAIRS
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    assert (pair.student_path / "model.safetensors").is_file() and pair.meta["teacher_regime"] == "rl"
+    own = tmp_path / "cache" / pair.student_path.parent.name
+    own.mkdir(parents=True)
+    (own / "build.json").write_text('{"accuracies": {"student": 0.5, "teacher": 0.75}}')
+    mine = zoo.build_pair(tmp_path / "cache", teacher_regime="rl", progress=False)
+    assert mine.student_path == own / "student" and mine.accuracies["teacher"] == 0.75
+
+
 def test_bad_regimes():
     with pytest.raises(ValueError, match="teacher_regime must be one of"):
         zoo.build_pair(teacher_regime="rlhf")
