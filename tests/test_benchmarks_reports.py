@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 from benchmarks import (  # noqa: E402
     geometry,
     lr_basin,
+    overhead,
     patience,
     regimes,
     scale,
@@ -37,6 +38,7 @@ REPORTS = [
     (scale, "", "scale-h200-seed1", ["--stem", "scale-h200-seed1"]),
     (teacher_ranking, "", "teacher_ranking", []),
     (lr_basin, "", "lr_basin", []),
+    (overhead, "", "overhead", []),
 ]
 
 
@@ -51,6 +53,6 @@ def test_report_only_rewrites_the_committed_report(tmp_path, study, folder, stem
 
 
 def test_report_only_without_a_json_is_one_clear_error(tmp_path):
-    for study in (speedup, secant, patience, geometry):
+    for study in (speedup, secant, patience, geometry, overhead):
         with pytest.raises(SystemExit, match="--report-only: no"):
             study.main(["--report-only", "--out", str(tmp_path)])

@@ -696,15 +696,15 @@ def test_an_error_inside_the_search_pass_puts_w_t_back():
     data = batches(1, 2)
     train(model, opt, data, stop=1)
     store, calls = opt.extrapolator.store, []
-    real = store.anchor_run
+    real = store.delta_run
 
-    def failing(index, start, stop, device):
+    def failing(index, start, stop, base, out):
         calls.append(index)
         if index == 1:
             raise RuntimeError("store failed")
-        return real(index, start, stop, device)
+        return real(index, start, stop, base, out)
 
-    store.anchor_run = failing
+    store.delta_run = failing
     with pytest.raises(RuntimeError, match="store failed"):
         train(model, opt, data, start=1)
     assert calls[0] == 0 and calls[-1] == 1  # the first tensor was written, then it failed

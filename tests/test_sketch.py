@@ -59,9 +59,9 @@ def test_blocks_draw_shifts_rows_and_signs_evenly():
 def test_size_follows_the_documented_rule():
     assert sketch_size(10) == MIN_SIZE == 6801 and MIN_SIZE % 2 == 1
     assert cosine_tolerance(MIN_SIZE) <= ACCURACY < cosine_tolerance(MIN_SIZE - 2)
-    assert sketch_size(134_515_008) == 65_683  # SmolLM2-135M: 2048 blocks of 65,683
+    assert sketch_size(134_515_008) == 262_725  # SmolLM2-135M: 512 blocks of 262,725
     assert sketch_size(10**13) == MAX_SIZE
-    assert all(sketch_size(n) % 2 == 1 for n in (10, 2048 * 7000, 2048 * 7001 + 5, 10**13))
+    assert all(sketch_size(n) % 2 == 1 for n in (10, 512 * 7000, 512 * 7001 + 5, 10**13))
 
 
 @pytest.mark.parametrize("layout", [None, ShardLayout((70, 300), (30, 0), 1),
@@ -122,7 +122,8 @@ def test_cosine_is_within_the_documented_accuracy(kind, rho):
     cosine, ratio = sketch.compare(sketch.measure((i, t, None) for i, t in enumerate(b)))
     exact_cosine, exact_ratio = _exact(a, b)
     assert abs(cosine - exact_cosine) <= cosine_tolerance(sketch.size)
-    assert ratio == pytest.approx(exact_ratio, rel=1e-9)  # the norms are exact
+    # The norms: float32 dot products per block, summed in float64 (~1e-7 relative).
+    assert ratio == pytest.approx(exact_ratio, rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -174,8 +175,8 @@ def test_shards_sketch_like_the_whole_tensor():
     )
     replicated = sum(sketch.measure([(3, part, layout(off, 2))])
                      for part, off in ((w[:33], (0, 0)), (w[33:], (33, 0))) for _ in range(2))
-    for got in (rows, cols, replicated):
-        torch.testing.assert_close(got, whole, rtol=1e-12, atol=1e-12)
+    for got in (rows, cols, replicated):  # the buckets add in float32: in another order here
+        torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-6 * float(whole[:-1].abs().max()))
     # Another parameter index hashes elsewhere.
     assert not torch.allclose(sketch.measure([(4, w, None)])[:-1], whole[:-1])
 

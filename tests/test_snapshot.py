@@ -223,3 +223,142 @@ def test_a_refused_search_hands_the_backup_to_the_full_store():
     w.grad = torch.randn(50, 40)
     opt.step()  # step 2: refused again; its backup becomes the anchor
     assert store._anchors[0] is not before and torch.equal(store.anchor(0, w.device), w.detach())
+
+
+@pytest.mark.parametrize("store", [FullSnapshot(), LowRankSnapshot(3)], ids=["full", "lowrank"])
+def test_delta_runs_are_base_minus_the_anchor_whatever_the_split(store):
+    """A search forms Δ run by run (``delta_run``): any split gives ``base − anchor`` bit for
+    bit, the low-rank store subtracting each rebuilt group of rows where the run meets it."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(700, 300), (300,), (40, 5, 7)]
+    tensors = [torch.randn(s, generator=g) for s in shapes]
+    store.add([f"t{i}" for i in range(3)], tensors)
+    for i, t in enumerate(tensors):
+        store.capture(i, t + 0.1 * torch.randn(t.shape, generator=g))
+    for i, t in enumerate(tensors):
+        base = (t + torch.randn(t.shape, generator=g)).reshape(-1)
+        whole = base - store.anchor(i, t.device).reshape(-1)
+        for step in (t.numel(), 262_144, 65_536, 6_801, 299):
+            out = torch.empty(t.numel())
+            for a in range(0, t.numel(), step):
+                z = min(a + step, t.numel())
+                assert store.delta_run(i, a, z, base[a:z], out[a:z]).data_ptr() == out[a:z].data_ptr()
+            assert torch.equal(out, whole), (i, step)
+
+
+def _observed_pair(shape, delta_rank=None, seed=0, rank=4):
+    """A low-rank store with a non-trivial anchor, a copy of it, and a base for a search:
+    ``(store, copy, base, anchor)``; ``delta_rank`` makes ``base − anchor`` of that rank."""
+    g = torch.Generator().manual_seed(seed)
+    w0 = torch.randn(shape, generator=g)
+    store = LowRankSnapshot(rank, seed=seed)
+    store.add(["w"], [w0])
+    store.capture(0, w0 + 0.1 * torch.randn(shape, generator=g))
+    anchor = store.anchor(0, w0.device)
+    m = shape[0]
+    n = w0.numel() // m
+    step = (torch.randn(shape, generator=g) if delta_rank is None
+            else low_rank(m, n, delta_rank, seed + 1).reshape(shape))
+    twin = LowRankSnapshot(rank, seed=seed)
+    twin.add(["w"], [w0])
+    twin.load_state_dict(store.state_dict())
+    return store, twin, anchor + 0.05 * step, anchor
+
+
+def _feed(store, delta, run):
+    flat = delta.reshape(-1)
+    for a in range(0, flat.numel(), run):
+        store.observe(0, a, flat[a : a + run].clone())
+
+
+@pytest.mark.parametrize(("shape", "run"), [((300, 70), 1000), ((300, 70), 70), ((300, 70), 33),
+                                            ((40, 5, 7), 12), ((257, 129), 20_000)])
+def test_a_refused_searchs_low_rank_anchor_from_the_pass_is_the_capture(shape, run):
+    """The pass hands Δ to the store run by run (runs that start and end inside rows, runs
+    shorter than a row); the refused search's new anchor ``anchor + Δ`` built from it is the
+    one a capture of the weights gives, to float32 rounding, without reading the weights
+    (here: NaNs), and the random generator is where the capture leaves it (exact resume)."""
+    store, twin, base, anchor = _observed_pair(shape)
+    _feed(store, base - anchor, run)
+    store.advance(0, torch.full(shape, float("nan")), 1.0)
+    twin.capture(0, base)
+    got, want = store.anchor(0, base.device), twin.anchor(0, base.device)
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm()) <= 1e-5 * float((base - store._refs[0]).norm())
+    assert torch.equal(store._generator.get_state(), twin._generator.get_state())
+    assert store._observed == {}
+
+
+def test_an_accepted_jumps_low_rank_anchor_is_captured_from_the_weights():
+    """An accepted jump leaves ``anchor + (1 + c)·Δ``, whose products the pass did not form:
+    the store compresses the weights, from the warm start it drew in the pass, so the anchor
+    is the capture's bit for bit."""
+    store, twin, base, anchor = _observed_pair((90, 70))
+    _feed(store, base - anchor, 1000)
+    new = anchor + 3.0 * (base - anchor)
+    store.advance(0, new, 3.0)
+    twin.capture(0, new)
+    assert torch.equal(store.anchor(0, new.device), twin.anchor(0, new.device))
+
+
+def test_an_ill_conditioned_update_is_compressed_from_the_weights():
+    """The first step away from the reference, of rank 1 < rank, leaves the pass's products
+    singular: the store compresses the weights instead, from the same (random) warm start, so
+    the anchor is the capture's bit for bit."""
+    w0 = torch.randn(120, 80, generator=torch.Generator().manual_seed(0))
+    store, twin = LowRankSnapshot(6), LowRankSnapshot(6)
+    store.add(["w"], [w0])
+    twin.add(["w"], [w0])
+    base = w0 + 0.05 * low_rank(120, 80, 1, 1)
+    _feed(store, base - store.anchor(0, w0.device), 500)
+    store.advance(0, base, 1.0)
+    twin.capture(0, base)
+    assert torch.equal(store.anchor(0, base.device), twin.anchor(0, base.device))
+    assert float((store.anchor(0, base.device) - base).norm()) <= 1e-4 * float(base.norm())
+
+
+def test_an_incomplete_or_stale_observation_is_not_used():
+    """Δ fed out of order, or not all of it, or no coefficient (``scale=None``): the anchor
+    is captured from the weights."""
+    for feed, scale in (("gap", 1.0), ("half", 1.0), ("whole", None)):
+        store, twin, base, anchor = _observed_pair((60, 50))
+        delta = (base - anchor).reshape(-1)
+        if feed == "gap":
+            store.observe(0, 0, delta[:100].clone())
+            store.observe(0, 200, delta[200:].clone())
+        elif feed == "half":
+            store.observe(0, 0, delta[:1500].clone())
+        else:
+            _feed(store, base - anchor, 700)
+        store.advance(0, base, scale)
+        twin.capture(0, base)
+        assert torch.equal(store.anchor(0, base.device), twin.anchor(0, base.device)), feed
+
+
+@pytest.mark.parametrize("direction", ["secant", "averaged"])
+def test_low_rank_searches_match_captures_of_the_weights(direction):
+    """Whole runs with accepted and refused jumps: building each new anchor from the pass
+    gives the weights and anchors that capturing the weights gives, to float32 rounding."""
+    from conftest import batches, make_mlp, train
+    from test_state import SeededGate
+
+    runs = []
+    for observe in (True, False):
+        model = make_mlp(0)
+        opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                     eval_fn=SeededGate(model), snapshot="lowrank", rank=2,
+                                     direction=direction)
+        if not observe:
+            opt.extrapolator.store.observe = lambda *a: None
+        train(model, opt, batches(0, 20))
+        runs.append((model, opt))
+    (m1, o1), (m2, o2) = runs
+    h1, h2 = o1.extrapolator.history, o2.extrapolator.history
+    assert [r.accepted for r in h1] == [r.accepted for r in h2]
+    assert any(r.accepted is not None for r in h1) and any(r.accepted is None for r in h1)
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    s1, s2 = o1.extrapolator.store, o2.extrapolator.store
+    for i, p in enumerate(m1.parameters()):
+        torch.testing.assert_close(s1.anchor(i, p.device), s2.anchor(i, p.device),
+                                   rtol=1e-4, atol=1e-5)

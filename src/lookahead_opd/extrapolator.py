@@ -337,8 +337,7 @@ class Extrapolator:
                 base = base.reshape(-1)
                 for a in range(0, flat.numel(), _CHUNK):
                     z = min(a + _CHUNK, flat.numel())
-                    anchor = self.store.anchor_run(i, a, z, p.device)
-                    delta = _delta(base[a:z], anchor, scratch[p.device][: z - a])
+                    delta = self.store.delta_run(i, a, z, base[a:z], scratch[p.device][: z - a])
                     if measure:
                         sq[i] += float(delta.double().square().sum())
                     _candidate(flat[a:z], base[a:z], delta, c)
@@ -348,9 +347,10 @@ class Extrapolator:
     def _prepare(self, first: float | None) -> tuple[list[Tensor], Tensor]:
         """One pass over the weights, a run of elements at a time: copy ``W_t`` into the
         backup, sketch ``Δ`` and, when ``first`` is a coefficient, write that candidate (what
-        ``apply(first)`` writes). A one-candidate search thus reads the weights and the anchor
-        once, and writes the backup and the candidate once. Returns ``(backup, sketch)``; on an
-        exception the weights are put back first."""
+        ``apply(first)`` writes) and hand ``Δ`` to the store (``observe``: a low-rank store
+        compresses the next anchor from it). A one-candidate search thus reads the weights and
+        the anchor once, and writes the backup and the candidate once. Returns
+        ``(backup, sketch)``; on an exception the weights are put back first."""
         backup: list[Tensor] = []
         run, finished, done = None, 0, 0  # parameters passed; elements of the next backed up
         try:
@@ -369,10 +369,10 @@ class Extrapolator:
                         b_flat[a:z].copy_(flat[a:z])
                         done = z
                         if piece.mine or first is not None:
-                            anchor = self.store.anchor_run(i, a, z, p.device)
-                            delta = _delta(base[a:z], anchor, scratch[: z - a])
-                            if first is not None:
+                            delta = self.store.delta_run(i, a, z, base[a:z], scratch[: z - a])
+                            if first is not None:  # every element's Δ passes here, in order
                                 _candidate(flat[a:z], base[a:z], delta, first)
+                                self.store.observe(i, a, delta)
                             if piece.mine:
                                 run.add(piece, delta)
                 finished += 1
@@ -441,7 +441,7 @@ class Extrapolator:
             self.restore(backup)
             raise
         self._projected = None
-        self._set_anchor(record.accepted is not None, backup)
+        self._set_anchor(record.accepted, backup, observed=first is not None)
         self.secant.remember(sketch)
         if record.accepted is not None and self.on_jump == "reset":
             for p in self._params:
@@ -484,18 +484,24 @@ class Extrapolator:
         return out
 
     @torch.no_grad()
-    def _set_anchor(self, accepted: bool, backup: Sequence[Tensor]) -> None:
-        if accepted:
+    def _set_anchor(self, accepted: float | None, backup: Sequence[Tensor], observed: bool,
+                    ) -> None:
+        """Make the weights left in place the anchor. With ``observed`` (the pass handed the
+        store this search's ``Δ``) they are ``anchor + (1 + c)·Δ``, ``c`` the kept coefficient
+        (0 when refused): ``base = anchor + Δ`` and the weights are ``base + c·Δ``."""
+        scale = 1.0 + (accepted or 0.0) if observed else None
+        if accepted is not None:
             for i, p in enumerate(self._local()):
-                self.store.capture(i, p)
+                self.store.advance(i, p, scale)
         elif self.direction == "secant":
             # The weights are W_t again, which the backup holds: it becomes the anchor (a full
             # store keeps the tensor itself, no copy) unless it lives on another device.
             for i, (p, b) in enumerate(zip(self._local(), backup, strict=True)):
-                self.store.adopt(i, b if b.device == p.device else p)
+                own = b.device == p.device
+                self.store.advance(i, b if own else p, scale, own=own)
         else:
             for i, avg in enumerate(self._averages):
-                self.store.capture(i, avg)
+                self.store.advance(i, avg, scale)
         self._window_count = 0
 
     def _geometry(self, backup: Sequence[Tensor]) -> dict[str, float]:
@@ -631,13 +637,6 @@ class _Flat:
     def __exit__(self, kind: object, *_: object) -> None:
         if kind is None and self.write and self.flat.data_ptr() != self.p.data_ptr():
             self.p.copy_(self.flat.view_as(self.p))
-
-
-def _delta(base: Tensor, anchor: Tensor, out: Tensor) -> Tensor:
-    """``out = base − anchor`` in fp32 (``out`` is an fp32 run on the parameter's device)."""
-    if base.dtype == anchor.dtype == torch.float32 and base.device == anchor.device == out.device:
-        return torch.sub(base, anchor, out=out)
-    return out.copy_(base).sub_(anchor.to(out.device))
 
 
 def _candidate(dst: Tensor, base: Tensor, delta: Tensor, c: float) -> None:

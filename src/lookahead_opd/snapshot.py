@@ -5,8 +5,11 @@ The direction of a search is ``Δ = W_t − anchor``. ``FullSnapshot`` keeps the
 as ``reference + U·Vᵀ`` per matrix, so a d×d weight costs 2·d·r floats instead of d²; the
 reference (the initial weights, or a state dict the user gives) stays on the CPU or on disk.
 
-Both are used one tensor at a time (``capture(i, t)`` / ``anchor(i, device)``) so that a search
-never holds more than one extra fp32 tensor besides the stores themselves.
+Both are used one tensor at a time (``capture(i, t)`` / ``delta_run(i, …)``) so that a search
+never holds more than one extra fp32 tensor besides the stores themselves. A search's pass
+hands each run of ``Δ`` to ``observe``, and ends with ``advance``: the low-rank store does the
+first half of its compression there, on the ``Δ`` the pass already holds, instead of reading the
+weights and the reference once more.
 """
 
 from __future__ import annotations
@@ -21,11 +24,19 @@ from torch import Tensor
 __all__ = ["SnapshotStore", "FullSnapshot", "LowRankSnapshot", "ReferenceSpec"]
 
 ReferenceSpec = Union[None, Mapping[str, Tensor], str, os.PathLike]
-_CHUNK = 1 << 16  # elements of ``anchor − reference`` a low-rank capture holds at a time
+_CHUNK = 1 << 18  # elements of ``anchor − reference`` a low-rank store rebuilds or compresses
+# at a time: one fp32 MiB, cached, and few enough groups that their dispatch costs little
 
 
 def _as_device(device: str | torch.device | None) -> torch.device | None:
     return None if device is None else torch.device(device)
+
+
+def _difference(base: Tensor, anchor: Tensor, out: Tensor) -> Tensor:
+    """``out = base − anchor`` in fp32 (``out`` is an fp32 run, or rows, on ``base``'s device)."""
+    if base.dtype == anchor.dtype == torch.float32 and base.device == anchor.device == out.device:
+        return torch.sub(base, anchor, out=out)
+    return out.copy_(base).sub_(anchor.to(out.device))
 
 
 class SnapshotStore:
@@ -53,11 +64,35 @@ class SnapshotStore:
             cached = self._run_cache = (index, device, self.anchor(index, device).reshape(-1))
         return cached[2][start:stop]
 
+    def delta_run(self, index: int, start: int, stop: int, base: Tensor, out: Tensor) -> Tensor:
+        """``base − anchor`` over elements ``[start, stop)`` of entry ``index``'s flattened
+        anchor, in fp32, written into ``out`` (a float32 run of ``stop − start`` elements on
+        ``base``'s device) and returned: how a search forms ``Δ``, run by run."""
+        return _difference(base, self.anchor_run(index, start, stop, out.device), out)
+
     def adopt(self, index: int, tensor: Tensor) -> None:
         """Make ``tensor``'s values the anchor of entry ``index``, keeping ``tensor`` itself
         where the store can (the caller no longer uses it): a refused search's backup of the
         weights becomes the new anchor without a copy."""
         self.capture(index, tensor)
+
+    def observe(self, index: int, start: int, delta: Tensor) -> None:
+        """Elements ``[start, start + delta.numel())`` of this search's ``Δ = base − anchor``
+        of entry ``index`` (fp32, to read now: the caller reuses the buffer). A search's pass
+        feeds every entry's ``Δ`` in order from element 0, once; ``advance`` then uses it. This
+        default ignores it."""
+
+    def advance(self, index: int, tensor: Tensor, scale: float | None, *, own: bool = False,
+                ) -> None:
+        """Make ``tensor`` the anchor of entry ``index`` at the end of a search, where
+        ``tensor = anchor + scale·Δ`` for the ``Δ`` that ``observe`` was given in this search
+        (``scale=None``: it was not); ``own``: the caller no longer uses ``tensor``, as for
+        ``adopt``. A store may build the new anchor from what it observed instead of reading
+        ``tensor``; this default captures (or adopts) it."""
+        if own:
+            self.adopt(index, tensor)
+        else:
+            self.capture(index, tensor)
 
     def nbytes(self) -> int:
         """Bytes held for the anchors (a low-rank store's CPU/disk reference not included)."""
@@ -148,6 +183,28 @@ def _check_kind(state: Mapping[str, Any], kind: str, n: int) -> None:
         raise ValueError(f"snapshot holds {len(entries)} tensors, this one has {n}")
 
 
+class _Observed:
+    """What ``LowRankSnapshot.observe`` keeps of one entry's ``Δ`` during a search: the warm
+    start ``q`` it drew, the old ``U`` and ``VᵀQ``, ``Y = U·VᵀQ + Δ·q`` row by row, the
+    ``n × r`` sum ``ΔᵀY``, the ``V`` it started from (a capture in between makes it stale), a
+    row being assembled across runs, and the next element it expects."""
+
+    __slots__ = ("q", "u", "vq", "y", "dty", "v", "row", "stop")
+
+    def __init__(self, q: Tensor, u: Tensor, v: Tensor, m: int) -> None:
+        n, r = q.shape
+        self.q, self.u, self.v, self.vq, self.stop = q, u, v, v.to(q.device).T @ q, 0
+        self.y = torch.empty(m, r, device=q.device)
+        self.dty = torch.zeros(n, r, device=q.device)
+        self.row = torch.empty(n, device=q.device)
+
+    def rows(self, first: int, d: Tensor) -> None:
+        """Whole rows ``first …`` of ``Δ``: their rows of ``Y``, and their share of ``ΔᵀY``."""
+        y = self.y[first : first + d.shape[0]]
+        torch.addmm(self.u[first : first + d.shape[0]] @ self.vq, d, self.q, out=y)
+        self.dty.addmm_(d.T, y)
+
+
 def _load_reference(reference: str | os.PathLike) -> Mapping[str, Tensor]:
     path = os.fspath(reference)
     if not os.path.exists(path):
@@ -177,6 +234,7 @@ class LowRankSnapshot(SnapshotStore):
     """
 
     kind = "lowrank"
+    MAX_COND = 100.0  # advance: R⁻¹ amplifies float32 rounding by up to cond², ~1e-3 here
 
     def __init__(
         self,
@@ -208,13 +266,15 @@ class LowRankSnapshot(SnapshotStore):
         self._refs: list[Tensor] = []
         # Per entry: {"dense": fp32 tensor} or {"U": m×r, "V": n×r}.
         self._entries: list[dict[str, Tensor]] = []
-        self._last_group: tuple[tuple[int, int, torch.device], Tensor] | None = None
+        self._last_group: tuple[tuple[int, int, torch.device, bool], Tensor] | None = None
+        self._buffers: dict[torch.device, Tensor] = {}  # delta_run's rebuilt rows
+        self._observed: dict[int, _Observed] = {}  # a search's Δ, per entry (observe)
 
     def compresses(self, shape: torch.Size | Sequence[int]) -> bool:
         """Whether a tensor of ``shape`` is kept as rank-``rank`` factors (at least 2-D and
         ``(m + n)·r < m·n`` for its ``m × n`` matrix view); otherwise it is stored dense."""
         shape = torch.Size(shape)
-        if len(shape) < 2:
+        if len(shape) < 2 or shape.numel() == 0:  # e.g. an FSDP rank's empty shard
             return False
         m, n = shape[0], shape.numel() // shape[0]
         return (m + n) * self.rank < m * n
@@ -239,6 +299,85 @@ class LowRankSnapshot(SnapshotStore):
             self.capture(len(self._entries) - 1, t)
 
     def capture(self, index: int, tensor: Tensor) -> None:
+        self._observed.pop(index, None)
+        self._compress(index, tensor)
+
+    def observe(self, index: int, start: int, delta: Tensor) -> None:
+        """For a compressed entry (and ``power_iters=1``), accumulate what the capture of a
+        refused search's weights needs of ``Δ``: those weights are ``anchor + Δ``, so their
+        difference from the reference is ``D = U·Vᵀ + Δ``, and with ``Q`` the orthonormalized
+        warm start (drawn here, at element 0, as that capture would draw it) the power
+        iteration's ``Y = D·Q = U·VᵀQ + Δ·Q`` and ``DᵀY = V·UᵀY + ΔᵀY`` need ``Δ`` only,
+        which the pass holds: no other pass over the weights. Whole rows are multiplied; a row
+        cut by a run's end waits in a buffer for the rest."""
+        entry = self._entries[index]
+        if "V" not in entry or self.power_iters != 1:
+            return
+        m, n = self._shapes[index][0], self._shapes[index].numel() // self._shapes[index][0]
+        if start == 0:
+            self._observed[index] = _Observed(self._warm_start(index, delta.device),
+                                              entry["U"].to(delta.device), entry["V"], m)
+        seen = self._observed.get(index)
+        if seen is None or seen.stop != start:  # out of order: the capture reads the weights
+            self._observed.pop(index, None)
+            return
+        size = delta.numel()
+        seen.stop = start + size
+        row, col = divmod(start, n)
+        pos = 0
+        if col:  # the rest of the row the previous run began
+            pos = min(n - col, size)
+            seen.row[col : col + pos].copy_(delta[:pos])
+            if col + pos == n:
+                seen.rows(row, seen.row.view(1, n))
+                row += 1
+        full = (size - pos) // n
+        if full:
+            seen.rows(row, delta[pos : pos + full * n].view(full, n))
+            pos += full * n
+        if pos < size:  # a row the next run finishes
+            seen.row[: size - pos].copy_(delta[pos:])
+
+    def advance(self, index: int, tensor: Tensor, scale: float | None, *, own: bool = False,
+                ) -> None:
+        """A refused search (``scale == 1``) with a whole observed ``Δ``: ``Y = P·R`` and the
+        new ``V = DᵀP = V·UᵀP + ΔᵀY·R⁻¹``, the capture's result up to rounding. Otherwise
+        (an accepted jump's ``anchor + (1 + c)·Δ``, whose products the pass did not form, or
+        an ``R`` too ill-conditioned to invert: ``cond > MAX_COND``, a difference of rank
+        < ``rank`` or a steep spectrum) the capture reads ``tensor``, from the same warm
+        start."""
+        seen = self._observed.pop(index, None)
+        entry = self._entries[index]
+        if seen is None or seen.v is not entry.get("V"):
+            self._compress(index, tensor)
+            return
+        if scale != 1.0 or seen.stop != self._shapes[index].numel():
+            self._compress(index, tensor, seen.q)  # the warm start drawn for it, not another
+            return
+        p, tri = torch.linalg.qr(seen.y)
+        sv = torch.linalg.svdvals(tri)
+        if not (bool(torch.isfinite(sv).all()) and float(sv[-1]) * self.MAX_COND > float(sv[0])):
+            self._compress(index, tensor, seen.q)
+            return
+        dtp = torch.linalg.solve_triangular(tri, seen.dty, upper=True, left=False)  # Δᵀ·P
+        v = entry["V"].to(p.device)
+        self._last_group = None
+        self._entries[index] = {"U": p.to(tensor.device),
+                                "V": torch.addmm(dtp, v, seen.u.T @ p).to(tensor.device)}
+
+    def _warm_start(self, index: int, device: torch.device) -> Tensor:
+        """The orthonormal ``n × rank`` start of entry ``index``'s power iteration: the last
+        capture's ``V``, or a random draw when there is none or it has a zero column (e.g.
+        from an all-zero difference)."""
+        q = self._entries[index].get("V")
+        if q is None or not bool((q.norm(dim=0) > 0).all()):
+            n = self._shapes[index].numel() // self._shapes[index][0]
+            q = torch.randn(n, self.rank, generator=self._generator)
+        return torch.linalg.qr(q.to(device)).Q
+
+    def _compress(self, index: int, tensor: Tensor, q: Tensor | None = None) -> None:
+        """Store ``tensor − reference`` as ``U·Vᵀ`` by ``power_iters`` power iterations from
+        the warm start ``q`` (default: ``_warm_start``), a group of rows at a time."""
         t = tensor.detach()
         shape = self._shapes[index]
         self._last_group = None
@@ -248,18 +387,17 @@ class LowRankSnapshot(SnapshotStore):
         m, n = shape[0], shape.numel() // shape[0]
         t2, ref = t.reshape(m, n), self._refs[index].reshape(m, n)
         step = self._group_rows(index)
+        scratch = torch.empty(min(step, m) * n, device=t.device)
 
         def rows_of_diff() -> Iterator[tuple[int, Tensor]]:
-            """``anchor − reference`` a block of rows at a time: no temporary of the tensor's
-            size (whose fresh pages cost more than the arithmetic on a CPU)."""
+            """``tensor − reference`` a block of rows at a time, into one scratch buffer: no
+            temporary of the tensor's size (whose fresh pages cost more than the arithmetic
+            on a CPU)."""
             for a in range(0, m, step):
-                yield a, t2[a : a + step].float() - ref[a : a + step].to(t.device, torch.float32)
+                rows = t2[a : a + step]
+                yield a, _difference(rows, ref[a : a + step], scratch[: rows.numel()].view_as(rows))
 
-        entry = self._entries[index]
-        q = entry.get("V")
-        if q is None or not bool((q.norm(dim=0) > 0).all()):
-            q = torch.randn(n, self.rank, generator=self._generator).to(t.device)
-        q = torch.linalg.qr(q.to(t.device)).Q
+        q = (self._warm_start(index, t.device) if q is None else q).to(t.device)
         for _ in range(self.power_iters):
             y = torch.empty(m, self.rank, device=t.device)
             for a, d in rows_of_diff():
@@ -283,12 +421,26 @@ class LowRankSnapshot(SnapshotStore):
         entry = self._entries[index]
         if "dense" in entry:
             return entry["dense"].view(-1)[start:stop].to(device)
-        size = self._group_rows(index) * (self._shapes[index].numel() // self._shapes[index][0])
+        size = self._group_size(index)
         parts = []
         for g in range(start // size, (stop - 1) // size + 1):
             rows = self._rebuilt(index, g, device)
             parts.append(rows[max(start - g * size, 0) : stop - g * size])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def delta_run(self, index: int, start: int, stop: int, base: Tensor, out: Tensor) -> Tensor:
+        """Per group of rows the run meets: rebuilt into one buffer, subtracted into ``out``
+        (no concatenation of groups, no fresh tensor per group)."""
+        entry = self._entries[index]
+        if "dense" in entry:
+            return _difference(base, entry["dense"].view(-1)[start:stop], out)
+        size = self._group_size(index)
+        for g in range(start // size, (stop - 1) // size + 1):
+            lo, hi = max(start, g * size), min(stop, (g + 1) * size)
+            rows = self._rebuilt(index, g, out.device, shared=True)
+            _difference(base[lo - start : hi - start], rows[lo - g * size : hi - g * size],
+                        out[lo - start : hi - start])
+        return out
 
     def _group_rows(self, index: int) -> int:
         """Rows per group: the anchor is rebuilt, and compressed, a fixed group of rows at a
@@ -296,17 +448,30 @@ class LowRankSnapshot(SnapshotStore):
         shape = self._shapes[index]
         return max(1, _CHUNK // (shape.numel() // shape[0]))
 
-    def _rebuilt(self, index: int, group: int, device: torch.device) -> Tensor:
+    def _group_size(self, index: int) -> int:
+        """Elements per group of rows."""
+        return self._group_rows(index) * (self._shapes[index].numel() // self._shapes[index][0])
+
+    def _rebuilt(self, index: int, group: int, device: torch.device, shared: bool = False,
+                 ) -> Tensor:
         """Rows ``group·G … (group+1)·G`` of ``reference + U·Vᵀ``, flattened, fp32; the last
-        group asked for is kept, as runs come in order."""
-        key = (index, group, device)
+        group asked for is kept, as runs come in order. ``shared``: written into one buffer per
+        device that the next group overwrites (for a caller that reads it at once)."""
+        key = (index, group, device, shared)
         if self._last_group is None or self._last_group[0] != key:
             shape, entry, g = self._shapes[index], self._entries[index], self._group_rows(index)
             ref = self._refs[index].reshape(shape[0], -1)[group * g : (group + 1) * g]
+            out = None
+            if shared:
+                buffer = self._buffers.get(device)
+                if buffer is None or buffer.numel() < ref.numel():
+                    buffer = self._buffers[device] = torch.empty(
+                        max(ref.numel(), self._group_size(index)), device=device)
+                out = buffer[: ref.numel()].view(ref.shape)
             # One kernel writes reference + U·Vᵀ (no copy of the reference first).
             rows = torch.addmm(ref.to(device, torch.float32),
                                entry["U"][group * g : (group + 1) * g].to(device),
-                               entry["V"].to(device).T)
+                               entry["V"].to(device).T, out=out)
             self._last_group = (key, rows.view(-1))
         return self._last_group[1]
 
@@ -349,6 +514,7 @@ class LowRankSnapshot(SnapshotStore):
         ]
         self._generator.set_state(state["generator"])
         self._last_group = None
+        self._observed = {}
 
     def _entry_device(self, index: int, devices: list[torch.device]) -> torch.device:
         current = self._entries[index]

@@ -164,10 +164,17 @@ def ddp_worker(rank: int, reduce: str, offset, options: dict | None = None) -> d
         "seen": seen,
         "after": after,
         "params": _params(model),
+        "anchors": _anchors(opt),
     }
 
 
-def fsdp_worker(rank: int) -> dict:
+def _anchors(opt: ExtrapolatingOptimizer) -> list[torch.Tensor]:
+    """This rank's anchors (its local shards under FSDP), as the store rebuilds them."""
+    ex = opt.extrapolator
+    return [ex.store.anchor(i, torch.device("cpu")) for i in range(len(ex.params))]
+
+
+def fsdp_worker(rank: int, options: dict | None = None) -> dict:
     """FSDP2 training with AdamW: ``fully_shard`` on the first layer and on the root (which
     then owns the last layer's params, as a root owns embeddings in real models). Returns the
     history, the local shard shapes and the gathered full parameters."""
@@ -181,9 +188,11 @@ def fsdp_worker(rank: int) -> dict:
     # Without resharding, the root would keep its stale all-gathered params after the gate's
     # no-grad forwards and never see a candidate.
     eval_fn = resharding(model, lambda: gate_score(model, rank))
-    opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), eval_fn)
+    opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), eval_fn,
+                                 **(options or {}))
     train(model, opt, rank)
     return {
+        "anchors": _anchors(opt),
         "history": [r.to_dict() for r in opt.history],
         "local_shapes": [tuple(p.to_local().shape) for p in model.parameters()],
         "params": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},

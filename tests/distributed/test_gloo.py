@@ -186,9 +186,32 @@ def test_fsdp2_matches_single_process(tmp_path):
         torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=1e-6)
 
 
+def test_low_rank_searches_agree_on_every_rank(tmp_path):
+    """The low-rank store builds each new anchor from the products the search's pass computes:
+    under DDP every rank computes them from the same Δ, so decisions, weights and anchors are
+    bit-identical; under FSDP each rank compresses its own shard and the decisions (and so the
+    gathered weights) are still the same everywhere."""
+    lowrank = {"snapshot": "lowrank", "rank": 2}
+    for sub in ("ddp", "fsdp"):
+        (tmp_path / sub).mkdir()
+    ddp = w.launch(w.ddp_worker, tmp_path / "ddp", "mean", w.alternating, lowrank)
+    _assert_same_everywhere(ddp)
+    _assert_both_paths(ddp[0]["history"])
+    for a, b in zip(ddp[0]["anchors"], ddp[1]["anchors"], strict=True):
+        assert torch.equal(a, b)
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return
+    fsdp = w.launch(w.fsdp_worker, tmp_path / "fsdp", lowrank)
+    _assert_same_everywhere(fsdp)
+    assert [a.shape for a in fsdp[0]["anchors"]] != [a.shape for a in fsdp[1]["anchors"]]
+
+
 def test_sketch_is_the_same_on_every_rank_and_matches_one_process(tmp_path):
     """Replicated tensors split their chunks between ranks, shards add their own part; after
-    the all-reduce both ranks hold the single-process sketch, bit-identical to each other."""
+    the all-reduce both ranks hold the single-process sketch (to the float32 rounding of the
+    buckets, which add in another order), bit-identical to each other."""
     pytest.importorskip("torch.distributed.tensor")
     from lookahead_opd.sketch import SecantSketch
 
@@ -198,4 +221,5 @@ def test_sketch_is_the_same_on_every_rank_and_matches_one_process(tmp_path):
     want = sketch.measure([(0, big, None), (1, weight, None)])
     for key in ("replicated", "rows", "cols"):
         assert torch.equal(results[0][key], results[1][key]), key
-        torch.testing.assert_close(results[0][key], want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(results[0][key], want, rtol=1e-6,
+                                   atol=1e-6 * float(want[:-1].abs().max()))
