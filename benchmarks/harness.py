@@ -463,6 +463,19 @@ class Store:
             if value not in seen:
                 seen.append(value)
 
+    def restore_report(self, a: Any, options: Sequence[str], keys: Sequence[str] = ()) -> None:
+        """For ``--report-only``: take the machine, config and ``keys`` of the earlier json, and
+        set ``options`` on ``a`` from its config (the runs' options, not this call's defaults);
+        one line when there is no earlier json."""
+        if self.old is None:
+            raise SystemExit(f"{self.stem}: --report-only: no {self.stem}.json in {self.out}")
+        self.data["machine"] = self.old["machine"]
+        self.data["config"] = config = self.old.get("config", {})
+        for key in keys:
+            self.data[key] = self.old.get(key)
+        for key in options:
+            setattr(a, key, config.get(key, getattr(a, key)))
+
     @property
     def runs(self) -> dict[str, Any]:
         return self.data["runs"]

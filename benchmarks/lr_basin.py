@@ -413,12 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     store.resume(bases=dict, unavailable=dict, pairs=dict, commands=list, machines=list)
     results = store.data
     if a.report_only:
-        if store.old is None:
-            raise SystemExit(f"lr_basin: --report-only: no {a.stem}.json in {a.out}")
-        results["machine"] = store.old["machine"]
-        results["config"] = config = store.old.get("config", {})
-        for key in REPORT_OPTIONS:  # the runs' options, not this call's defaults
-            setattr(a, key, config.get(key, getattr(a, key)))
+        store.restore_report(a, REPORT_OPTIONS)
         save(a, store)
         return 0
     results["config"] = {k: v for k, v in vars(a).items() if k != "cell_specs"}

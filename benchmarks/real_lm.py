@@ -529,14 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     store.resume(commands=list, machines=list)
     results = store.data
     if a.report_only:
-        if store.old is None:
-            raise SystemExit(f"real_lm: --report-only: no {a.stem}.json in {a.out}")
-        results["machine"] = store.old["machine"]
-        results["config"] = config = store.old.get("config", {})
-        for key in ("student", "teacher", "teacher_accuracy", "chat_template"):
-            results[key] = store.old.get(key)
-        for key in REPORT_OPTIONS:  # the runs' options, not this call's defaults
-            setattr(a, key, config.get(key, getattr(a, key)))
+        store.restore_report(a, REPORT_OPTIONS,
+                             keys=("student", "teacher", "teacher_accuracy", "chat_template"))
         save(a, store)
         return 0
     pair = load_pair(a)  # before the json changes: no teacher, one line

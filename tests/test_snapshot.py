@@ -192,16 +192,22 @@ def test_log_geometry_records_the_direction_metrics():
     assert geo["fro_norm_total"] == pytest.approx(opt.history[0].direction_norm, rel=1e-5)
 
 
+def _captured(store):
+    """``store`` over three tensors of awkward shapes, each anchor a perturbed copy; returns the
+    generator (to draw more from) and the tensors."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(s, generator=g) for s in [(700, 300), (300,), (40, 5, 7)]]
+    store.add([f"t{i}" for i in range(3)], tensors)
+    for i, t in enumerate(tensors):
+        store.capture(i, t + 0.1 * torch.randn(t.shape, generator=g))
+    return g, tensors
+
+
 @pytest.mark.parametrize("store", [FullSnapshot(), LowRankSnapshot(3)], ids=["full", "lowrank"])
 def test_anchor_runs_are_the_anchor_whatever_the_split(store):
     """A search reads the anchor run by run: any split gives the anchor's bits (the low-rank
     store rebuilds fixed groups of rows, so its values do not depend on the split)."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(700, 300), (300,), (40, 5, 7)]
-    tensors = [torch.randn(s, generator=g) for s in shapes]
-    store.add([f"t{i}" for i in range(3)], tensors)
-    for i, t in enumerate(tensors):
-        store.capture(i, t + 0.1 * torch.randn(t.shape, generator=g))
+    g, tensors = _captured(store)
     for i, t in enumerate(tensors):
         whole = store.anchor(i, t.device).reshape(-1)
         for step in (t.numel(), 65_536, 6_801, 1_000, 299):
@@ -229,12 +235,7 @@ def test_a_refused_search_hands_the_backup_to_the_full_store():
 def test_delta_runs_are_base_minus_the_anchor_whatever_the_split(store):
     """A search forms Δ run by run (``delta_run``): any split gives ``base − anchor`` bit for
     bit, the low-rank store subtracting each rebuilt group of rows where the run meets it."""
-    g = torch.Generator().manual_seed(0)
-    shapes = [(700, 300), (300,), (40, 5, 7)]
-    tensors = [torch.randn(s, generator=g) for s in shapes]
-    store.add([f"t{i}" for i in range(3)], tensors)
-    for i, t in enumerate(tensors):
-        store.capture(i, t + 0.1 * torch.randn(t.shape, generator=g))
+    g, tensors = _captured(store)
     for i, t in enumerate(tensors):
         base = (t + torch.randn(t.shape, generator=g)).reshape(-1)
         whole = base - store.anchor(i, t.device).reshape(-1)
