@@ -168,15 +168,20 @@ class NextTokenLogits:
     def detach(self) -> NextTokenLogits:
         return NextTokenLogits(self.states.detach(), self.head, self.chunk_size)
 
-    def token_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Log-probs ``[B, T]`` (fp32) of ``tokens`` on the ``mask``ed positions. Dense: of
-        every position (``token_logprobs``); chunked: 0 off the mask, a logsumexp per chunk of
-        masked rows, never a (tokens × vocab) tensor."""
+    def token_logprobs(self, tokens: torch.Tensor, mask: torch.Tensor,
+                       temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs ``[B, T]`` (fp32) of ``tokens`` on the ``mask``ed positions under
+        ``softmax(logits / temperature)``. Dense: of every position (``token_logprobs``);
+        chunked: 0 off the mask, a logsumexp per chunk of masked rows, never a (tokens × vocab)
+        tensor."""
         if self.head is None:
-            return token_logprobs(self.states, tokens)
+            return token_logprobs(self.states if temperature == 1.0 else self.states / temperature,
+                                  tokens)
 
         def pick(logits: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor]:
             x = logits.to(compute_dtype(logits.dtype))
+            if temperature != 1.0:
+                x = x / temperature
             return (x.gather(-1, token.long()[:, None]).squeeze(-1) - torch.logsumexp(x, -1),)
 
         picked = map_row_chunks(pick, [self], mask, tokens)

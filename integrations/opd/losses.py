@@ -501,20 +501,31 @@ class TokenScores:
     completion ``mask``, and one ``advantages`` value per row (the task's rewards,
     ``group_advantages``) when known. Each loss takes its pair of inputs from one of
     ``logits``, ``logprobs``, ``rewards``; the sampled tokens' log-probs are computed once, on
-    first use."""
+    first use.
+
+    ``temperature`` is the one the completions were sampled at. ``rewards`` scores them under
+    that sampler, ``softmax(logits / temperature)``: the policy gradient is unbiased only for
+    the distribution that drew the samples (scored at 1 instead, a 0.7 sampler's gradient
+    mixes in a term that sharpens or flattens every visited prefix). The distillation pairs
+    (``logprobs``, ``logits``) stay at 1: their objective is the student's own distribution
+    against the teacher's, so ``reverse_kl_pg``'s sampled estimate is on-policy only for
+    completions sampled at 1 (the config's default)."""
 
     student: NextTokenLogits
     teacher: TeacherScores
     tokens: torch.Tensor
     mask: torch.Tensor
     advantages: torch.Tensor | None = None
+    temperature: float = 1.0
     _cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def _logprobs(self, who: str) -> torch.Tensor:
         if who not in self._cache:
             mask = self.mask.bool()
-            self._cache[who] = (self.student.token_logprobs(self.tokens, mask) if who == "student"
-                                else self.teacher.sampled(self.tokens, mask))
+            self._cache[who] = (
+                self.teacher.sampled(self.tokens, mask) if who == "teacher"
+                else self.student.token_logprobs(self.tokens, mask) if who == "student"
+                else self.student.token_logprobs(self.tokens, mask, self.temperature))
         return self._cache[who]
 
     def logits(self) -> tuple[NextTokenLogits, NextTokenLogits]:
@@ -529,7 +540,7 @@ class TokenScores:
         """The student's log-probs of the sampled tokens and the per-row advantages."""
         if self.advantages is None:
             raise ValueError("this loss learns from the task's rewards: pass advantages=")
-        return self._logprobs("student"), self.advantages
+        return self._logprobs("student" if self.temperature == 1.0 else "sampler"), self.advantages
 
     @torch.no_grad()
     def sampled_reverse_kl(self) -> float:

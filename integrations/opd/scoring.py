@@ -51,17 +51,19 @@ def sequence_logits(model: nn.Module, rollout: Rollout | None = None, *,
 def score_tokens(student: nn.Module, teacher: Teacher | nn.Module, sequences: torch.Tensor,
                  attention_mask: torch.Tensor, completion_mask: torch.Tensor, vocab_size: int, *,
                  needs: TeacherNeeds = TeacherNeeds.FULL, chunk_size: int = 0,
-                 advantages: torch.Tensor | None = None) -> TokenScores:
+                 advantages: torch.Tensor | None = None, temperature: float = 1.0) -> TokenScores:
     """The student's next-token logits on the sampled ``sequences`` (dense, or chunked when
     ``chunk_size`` > 0) and the teacher's scores of what the loss ``needs``, shifted onto the
     tokens they predict and cut to the shared ``vocab_size``. The student keeps its graph
     (unless the caller disables grad); the teacher never has one. A bare ``nn.Module`` teacher
-    is scored in process (``ModelTeacher``, with the same ``chunk_size``)."""
+    is scored in process (``ModelTeacher``, with the same ``chunk_size``). ``temperature``: the
+    one ``sequences`` were sampled at (``TokenScores.temperature``)."""
     if not isinstance(teacher, Teacher):
         teacher = ModelTeacher(teacher, vocab_size, chunk_size=chunk_size)
     logits = model_logits(student, sequences, attention_mask, vocab_size, chunk_size=chunk_size)
     scored = teacher.score(sequences, attention_mask, completion_mask, needs)
-    return TokenScores(logits, scored, sequences[:, 1:], completion_mask[:, 1:], advantages)
+    return TokenScores(logits, scored, sequences[:, 1:], completion_mask[:, 1:], advantages,
+                       temperature)
 
 
 def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:

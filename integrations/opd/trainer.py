@@ -432,7 +432,8 @@ class OPDTrainer:
         scores = score_tokens(self.student, teacher, rollout.sequences[rows],
                               rollout.attention_mask[rows], rollout.completion_mask[rows],
                               self.vocab_size, needs=teacher_needs(self.config.loss),
-                              chunk_size=self.loss_chunk_size, advantages=advantages)
+                              chunk_size=self.loss_chunk_size, advantages=advantages,
+                              temperature=self.config.temperature)
         out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
         if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
             with torch.no_grad():

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from lookahead_opd.integrations.opd.logits import NextTokenLogits, OutputHead, model_logits
 from lookahead_opd.integrations.opd.losses import (
+    TokenScores,
     compute_loss,
     generalized_jsd_loss,
     reverse_kl_loss,
@@ -364,3 +365,27 @@ def test_gate_scores_the_teacher_once_with_the_same_decisions(tmp_path, tokenize
     before = cached.gate_reverse_kl()
     assert cached.load_checkpoint() and cached._gate_teacher is None
     assert cached.gate_reverse_kl() == before
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_rl_loss_scores_completions_under_the_temperature_that_sampled_them(chunk):
+    """drgrpo's log-probs are the sampler's, softmax(logits / T), dense and chunked (a 0.7
+    sampler scored at 1 would bias the policy gradient); the distillation pair stays at 1."""
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 6, 8), torch.randn(20, 8)
+    tokens, mask = torch.randint(0, 20, (2, 6)), torch.rand(2, 6) > 0.3
+    head = OutputHead(w, vocab_size=20)
+    student = NextTokenLogits(head(h)) if chunk == 0 else NextTokenLogits(h, head, chunk)
+    teacher = TeacherScores(token_logprobs=torch.zeros(2, 6))
+
+    def picked(t: float) -> torch.Tensor:
+        ref = torch.log_softmax(head(h).double() / t, -1).gather(-1, tokens[..., None])[..., 0]
+        return torch.where(mask, ref, 0.0)
+
+    scores = TokenScores(student, teacher, tokens, mask, torch.ones(2), temperature=0.7)
+    sampler, _ = scores.rewards()
+    torch.testing.assert_close(torch.where(mask, sampler.double(), 0.0), picked(0.7), atol=1e-5,
+                               rtol=0)
+    own, _ = scores.logprobs()
+    torch.testing.assert_close(torch.where(mask, own.double(), 0.0), picked(1.0), atol=1e-5, rtol=0)
+    assert not torch.allclose(picked(0.7), picked(1.0))
