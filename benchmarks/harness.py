@@ -278,6 +278,61 @@ class SecantProbe:
         self.last = now
 
 
+class NoiseProbe:
+    """The gradient-noise scale ``B_noise = tr(Σ)/|G|²`` (McCandlish et al. 2018, "simple"
+    scale) from the run's own gradients: the step is split into ``micro`` equal micro-batches
+    (``gradient_accumulation_steps``, which leaves the summed gradient unchanged); a
+    post-accumulate hook on every parameter snapshots the running gradient after each
+    micro-batch's backward, so micro-batch and whole-step gradients come from the same
+    rollouts. With ``E|G_b|² = |G|² + tr(Σ)/b`` at both sizes b < B, the two unknowns follow;
+    numerator and denominator are averaged over the steps before dividing. The trainer
+    normalises by the whole step's tokens, so a micro-batch's gradient is taken as ``micro``
+    times its contribution (exact for equal token counts per micro-batch)."""
+
+    def __init__(self, model: torch.nn.Module, micro: int) -> None:
+        self.micro = micro
+        self.grads: dict[int, list[torch.Tensor]] = {}
+        self.small: list[float] = []  # mean |G_b|² per step
+        self.big: list[float] = []  # |G_B|² per step
+        self.tokens: list[int] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        self.grads.setdefault(id(p), []).append(p.grad.detach().clone())
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        if not self.grads:
+            return
+        small, big = 0.0, 0.0
+        for snaps in self.grads.values():
+            if len(snaps) != self.micro:  # a parameter some micro-batch did not reach
+                continue
+            prev = torch.zeros_like(snaps[0])
+            for s in snaps:
+                small += float(((s - prev) * self.micro).pow(2).sum()) / self.micro
+                prev = s
+            big += float(snaps[-1].pow(2).sum())
+        self.small.append(small)
+        self.big.append(big)
+        self.tokens.append(int(m.get("num_tokens", 0)))
+        self.grads.clear()
+
+    def result(self, rows: int) -> dict[str, Any]:
+        """B_noise in rows (prompts × samples) and in completion tokens."""
+        big_b, small_b = float(rows), rows / self.micro
+        gs, gb = statistics.fmean(self.small), statistics.fmean(self.big)
+        g2 = (big_b * gb - small_b * gs) / (big_b - small_b)
+        trace = (gs - gb) / (1 / small_b - 1 / big_b)
+        tokens_per_row = statistics.fmean(self.tokens) / rows if self.tokens else float("nan")
+        b_noise = trace / g2 if g2 > 0 else float("inf")
+        return {"steps": len(self.big), "rows": rows, "micro_batches": self.micro,
+                "grad_sq_small": gs, "grad_sq_big": gb, "grad_sq_true": g2, "trace_sigma": trace,
+                "b_noise_rows": b_noise, "b_noise_tokens": b_noise * tokens_per_row,
+                "tokens_per_step": statistics.fmean(self.tokens) if self.tokens else None}
+
+
 class HeldOutKL:
     """An ``OPDTrainer`` callback: the student's full-vocabulary reverse KL to the teacher,
     teacher-forced on fixed rollouts of held-out prompts, at step 0 and every ``every`` steps —

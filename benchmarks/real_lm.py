@@ -21,6 +21,11 @@ Plan, resumable (every run is appended to the json, a rerun skips the runs there
 3. item 5's check: at the conservative lr, seed 0, both methods training every block
    (``full``), to say whether the part trained gives full training's verdict.
 
+Between stages 1 and 2, the gradient-noise scale ``B_noise`` on this model
+(``harness.NoiseProbe``): plain at its best lr, seed 0, ``NOISE_STEPS`` steps, each split
+into ``NOISE_MICRO`` micro-batches — to set beside the regime map's cells, where it is
+what separated the cells a jump could help.
+
     python -m benchmarks.real_lm --workers 2 &  python -m benchmarks.real_lm --workers 2  # study
     python -m benchmarks.real_lm --probe      # steps' cost and KL drop per k (chooses k)
     python -m benchmarks.real_lm --smoke --out /tmp/real_lm    # the pipeline on a zoo pair
@@ -84,6 +89,8 @@ SEEDS = (0, 1, 2)
 KL_SEED = 0  # the held-out rollouts' sampling seed (one yardstick for every run)
 KL_PROBLEM_SEED = 1000  # which test prompts they are drawn from
 METHODS = {"plain": {}, "effopd": dict(EFFOPD)}
+NOISE = "noise"  # the B_noise run's method name
+NOISE_STEPS, NOISE_MICRO = 8, 4  # 16 prompts: micro-batches of 4
 
 REPORT_OPTIONS = ("max_steps", "batch_size", "kl_every", "kl_size", "eval_every", "eval_size",
                   "gate_size", "lrs", "top_blocks", "seeds", "task", "full_check")
@@ -133,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.stem, a.task, a.seeds, a.probe_ks = f"{STEM}-smoke", "arithmetic", (0, 1), (1, 2)
         a.lrs, a.top_blocks, a.max_steps, a.batch_size = [1e-3, 4e-3], 1, 4, 8
         a.kl_every, a.kl_size, a.eval_every, a.eval_size, a.gate_size = 2, 8, 2, 40, 8
+    a.noise_steps = 2 if a.smoke else NOISE_STEPS
     if a.probe:  # a few steps: accuracy only at step 0 and the last, on a few problems
         a.stem += "-probe"
         a.eval_every, a.eval_size, a.kl_every = 0, min(a.eval_size, 16), 2
@@ -182,23 +190,31 @@ def part_name(a: argparse.Namespace, full: bool) -> str:
 
 def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, part: str,
             method: str, lr: float, seed: int, max_steps: int | None = None) -> dict[str, Any]:
-    fields = dict(METHODS[method])
+    """One run; ``method`` ``NOISE``: plain, micro-batched, measuring B_noise instead of the KL."""
+    noise = method == NOISE
+    fields = {} if noise else dict(METHODS[method])
     if "gate" in fields:
         fields["gate_size"] = a.gate_size
+    if noise:
+        max_steps = a.noise_steps
+        fields.update(gradient_accumulation_steps=NOISE_MICRO)
     blocks = 0 if part == "full" else int(part.removeprefix("top"))
     config = harness.opd_config(
         a.stem, f"{part}-{method}-{lr:.6g}-{seed}", task=a.task, loss=LOSS,
         max_steps=max_steps or a.max_steps, batch_size=a.batch_size, learning_rate=lr,
-        warmup_steps=0, eval_every=a.eval_every, eval_size=a.eval_size, seed=seed,
-        train_top_blocks=blocks, **fields)
-    probes: list[harness.HeldOutKL] = []
+        warmup_steps=0, eval_every=0 if noise else a.eval_every, eval_size=a.eval_size,
+        seed=seed, train_top_blocks=blocks, **fields)
+    probes: list[Any] = []
 
     def watch(model: torch.nn.Module) -> list[Any]:
-        probes.append(kl.for_model(model))
+        probes.append(harness.NoiseProbe(model, NOISE_MICRO) if noise else kl.for_model(model))
         return probes
 
     run = harness.run(config, pair, a.task, callbacks=watch, engine_batch_size=64)
-    run.update(part=part, method=method, lr=lr, seed=seed, kl=probes[0].curve if probes else [])
+    run.update(part=part, method=method, lr=lr, seed=seed,
+               kl=[] if noise or not probes else probes[0].curve)
+    if noise and probes and probes[0].big:
+        run["noise"] = probes[0].result(a.batch_size * config.num_samples)
     return run
 
 
@@ -262,6 +278,7 @@ def plan(a: argparse.Namespace, results: dict[str, Any]) -> list[tuple[str, str,
     if best is None:
         return out
     seed_lrs = sorted({lrs[0], *best.values()})
+    out.append((part, NOISE, best["plain"], 0))
     out += [(part, m, lr, s) for s in a.seeds[1:] for lr in seed_lrs for m in METHODS]
     if a.full_check:
         out += [("full", m, lrs[0], 0) for m in METHODS]
@@ -303,9 +320,12 @@ def ratio(plain: int | float | None, eff: int | float | None, cap: float) -> flo
 
 
 def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
-    runs = {k: describe_run(a, results, r) for k, r in results["runs"].items()}
+    runs = {k: describe_run(a, results, r) for k, r in results["runs"].items()
+            if r["method"] in METHODS}
     part = part_name(a, False)
     s: dict[str, Any] = {"runs": runs, "lrs": lr_list(a, results), "best": best_lrs(a, results)}
+    noise = [r for r in results["runs"].values() if r["method"] == NOISE and r.get("noise")]
+    s["noise"] = {"lr": noise[0]["lr"], **noise[0]["noise"]} if noise else None
     cap = a.max_steps + a.kl_every  # not reached: one measurement past the cap
     paired: dict[str, Any] = {}
     for lr in sorted({r["lr"] for r in results["runs"].values() if r["part"] == part}):
@@ -445,6 +465,14 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                         fmt_range(d["final_kl"], "{:.2f}", single=False),
                         fmt_range(d["final_accuracy"], "{:+.1%}", single=False)]
                        for lr, d in s["paired"].items()]), ""]
+    nz = s.get("noise")
+    lines += ["## Gradient noise", "",
+              f"B_noise = tr(Σ)/|G|² (McCandlish et al. 2018, the simple scale) of plain at "
+              f"lr {nz['lr']:g}, over {nz['steps']} steps of {nz['rows']} rows split into "
+              f"{nz['micro_batches']} micro-batches: **{nz['b_noise_rows']:.0f} rows** "
+              f"({nz['b_noise_tokens']:.0f} completion tokens; a step has {nz['rows']} rows, "
+              f"{_n(nz['tokens_per_step'], '{:.0f}')} tokens). The regime map's cells are in "
+              "`regimes.md`." if nz else "Not measured yet (after stage 1).", ""]
     fc = s.get("full_check")
     lines += ["## The part trained against every block (item 5)", ""]
     lines += [f"At lr {fc['lr']:g}, seed 0, by steps to 75% of the KL drop: every block — "
@@ -460,7 +488,7 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in results["runs"].values() if r["seed"] == 0]
+    runs = [r for r in results["runs"].values() if r["seed"] == 0 and r["method"] in METHODS]
     if not runs:
         return
     fig, (kl_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))

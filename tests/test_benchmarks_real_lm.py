@@ -38,8 +38,9 @@ def test_the_plan_runs_the_lrs_then_seeds_at_the_best_and_conservative_lrs_then_
         results["runs"][real_lm.run_key("top4", m, lr, 0)] = _run("top4", m, lr, 0, kl)
     assert real_lm.best_lrs(a, results) == {"plain": 3e-5, "effopd": 1e-5}
     rest = real_lm.plan(a, results)[len(first):]
-    assert rest == [("top4", m, lr, s) for s in (1, 2) for lr in (1e-5, 3e-5)
-                    for m in real_lm.METHODS] + [("full", m, 1e-5, 0) for m in real_lm.METHODS]
+    assert rest == [("top4", real_lm.NOISE, 3e-5, 0)] + [
+        ("top4", m, lr, s) for s in (1, 2) for lr in (1e-5, 3e-5) for m in real_lm.METHODS
+    ] + [("full", m, 1e-5, 0) for m in real_lm.METHODS]
     a.full_check = False
     assert all(p != "full" for p, *_ in real_lm.plan(a, results))
 
@@ -73,12 +74,17 @@ def test_smoke_runs_every_stage_resumes_and_regenerates_its_report(tmp_path, mon
     assert {real_lm.run_key(r["part"], r["method"], r["lr"], r["seed"]) for r in runs} == {
         real_lm.run_key(*job) for job in real_lm.plan(a, results)}
     assert {r["part"] for r in runs} == {"top1", "full"} and {r["seed"] for r in runs} == {0, 1}
+    noise, = (r for r in runs if r["method"] == real_lm.NOISE)  # B_noise: plain, micro-batched
+    assert noise["noise"]["steps"] == 2 and noise["noise"]["micro_batches"] == real_lm.NOISE_MICRO
+    assert noise["noise"]["grad_sq_small"] > noise["noise"]["grad_sq_big"] > 0
+    runs.remove(noise)
     for r in runs:  # the held-out KL at 0, 2, 4; accuracy at 0, 2, 4; one yardstick for all
         assert [s for s, _ in r["kl"]] == [0, 2, 4] and [s for s, _ in r["evals"]] == [0, 2, 4]
         assert r["kl"][0][1] == runs[0]["kl"][0][1] > 0 and not r["crashed"]
         assert (r["gate_evals"] > 0) == (r["method"] == "effopd")
     md = (out / "real_lm-smoke.md").read_text()
     assert "## Verdict" in md and "item 5" in md and (out / "real_lm-smoke.png").exists()
+    assert "B_noise = tr(Σ)/|G|² (McCandlish et al. 2018, the simple scale) of plain at lr " in md
     monkeypatch.setattr(real_lm, "run_one", lambda *a, **k: pytest.fail("a finished run ran again"))
     assert real_lm.main(["--smoke", "--out", str(out)]) == 0
     assert real_lm.main(["--smoke", "--out", str(out), "--report-only"]) == 0
