@@ -47,14 +47,16 @@ logger = logging.getLogger("real_teacher")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/real-teacher", help="checkpoints and state")
-    ap.add_argument("--task", default="wordproblems")
+    ap.add_argument("--task", default="wordproblems", help="the task the teacher is judged on")
+    ap.add_argument("--rl_task", default="wordproblems:steps=1",
+                    help="the prompts RL trains on (a curriculum: see the module docstring)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
-    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--num_samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.7)
-    ap.add_argument("--warmup_sft", type=int, default=20,
+    ap.add_argument("--warmup_sft", type=int, default=0,
                     help="SFT steps through the same LoRA before RL (0: none)")
     # 64 rollouts' activations through 30 blocks in one backward took 21 GB: 8 rollouts at a time
     ap.add_argument("--grad_accum", type=int, default=8, help="micro-batches per step")
@@ -124,15 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.warmup_sft:  # a resumed run's checkpoint replaces this
             if policy.load_state_dict(torch.load(warm), strict=False).unexpected_keys:
                 raise SystemExit(f"real_teacher: {warm} is not this LoRA's adapter")
-        config = OPDConfig(task=args.task, loss="drgrpo", batch_size=args.batch_size,
+        config = OPDConfig(task=args.rl_task, loss="drgrpo", batch_size=args.batch_size,
                            num_samples=args.num_samples, temperature=args.temperature,
                            gradient_accumulation_steps=args.grad_accum,
                            learning_rate=args.lr, max_steps=args.steps, eval_every=args.eval_every,
                            eval_size=64, gate_size=8, save_every=1, seed=args.seed, resume=True,
                            output_dir=str(out / "rl"), progress=False)
         start = time.perf_counter()
-        trainer = OPDTrainer(config, policy, frozen, task, HFEngine(policy, tok, batch_size=64),
-                             tokenizer=tok)
+        rl_task = with_chat_template(load_task(args.rl_task), tok)
+        trainer = OPDTrainer(config, policy, frozen, rl_task,
+                             HFEngine(policy, tok, batch_size=64), tokenizer=tok)
         trainer.train()
         write_lora_delta(policy, BASE, DELTA)
         state.update(rl_done=True, rl_steps=trainer.step, rl_seconds=trainer.train_seconds,
