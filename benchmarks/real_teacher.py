@@ -10,14 +10,22 @@ lr 3e-4), and a full-model delta is the whole 538 MB model. A rank-16 LoRA on ev
 learned like full training (5% → 52% in 30 SFT steps at lr 5e-4) and is ~20 MB; LoRA is known
 to match full training for RL (Schulman et al., "LoRA Without Regret", 2025).
 
+Why a curriculum (``--rl_task``, default ``wordproblems:steps=1``; the teacher is judged on
+``--task``, the study's two-step problems): from the base, RL on the two-step problems did not
+climb. Its samples were right 2–9% of the time (``attempt-*-metrics.jsonl``: 10 steps at lr
+2e-4 with and without 20 SFT steps first, then 9 steps at lr 5e-4 with the rollouts scored at
+their sampling temperature), so most groups of 8 held no correct sample, and the policy drifted
+(sampled-token KL to the base 0 → 0.19) without learning. On one-step problems the base is right
+about a quarter of the time and Dr. GRPO climbs within 10 steps; the skill (one sum, one
+difference, "The answer is N") is what the two-step problems are made of.
+
 Every phase is resumable and writes ``<out>/state.json`` after each phase it completes:
-0. ``warm-up``: ``--warmup_sft`` SFT steps on gold solutions through the same LoRA (the issue's
-   "a few SFT steps first if rewards are too sparse": 10 RL steps from the base at temperature
-   0.7 held the sampled reward at 2–9% and the greedy accuracy at 9% → 8%); they count in the
+0. ``warm-up``: ``--warmup_sft`` SFT steps on gold solutions through the same LoRA (0 by
+   default; the issue's "a few SFT steps first if rewards are too sparse"); they count in the
    teacher's distance from the base;
 1. ``rl``: the loop's ``OPDTrainer`` with ``loss="drgrpo"`` on the LoRA student, in process (a
-   checkpoint every step; a rerun resumes). Rollouts are sampled at ``--temperature`` (the
-   base's samples at 1.0 were right 0–3% of the time: most groups held no signal);
+   checkpoint every step; a rerun resumes), on ``--rl_task``'s prompts sampled at
+   ``--temperature``;
 2. ``measure``: the adapter to ``benchmarks/results/real_teacher/smollm2-135m-rl.safetensors``
    (``write_lora_delta``), the teacher rebuilt from base + delta (``apply_delta``: what any
    machine gets), base and teacher greedy accuracy on ``--eval_size`` test problems and
@@ -48,11 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/real-teacher", help="checkpoints and state")
     ap.add_argument("--task", default="wordproblems", help="the task the teacher is judged on")
-    ap.add_argument("--rl_task", default="wordproblems:steps=1",
+    ap.add_argument("--rl_task", default="wordproblems:min_steps=1",
                     help="the prompts RL trains on (a curriculum: see the module docstring)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--num_samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.7)

@@ -36,14 +36,19 @@ class WordProblemTask(MathAnswerTask):
     """``count`` distinct problems of ``steps`` operations (1..4) on a starting amount, drawn
     from ``random.Random(f"wordproblems-{seed}")``, split train/gate/test by a stable hash of
     the question. ``ops`` picks the operations: ``a`` gets more, ``g`` gives away, ``p`` buys
-    packs (a product), ``h`` sells half. Completions are capped at ``max_new_tokens`` (96)."""
+    packs (a product), ``h`` sells half. ``min_steps`` > 0 mixes difficulties: each problem draws
+    its number of operations from ``min_steps..steps`` (the RL teacher's curriculum; 0, the
+    default, keeps every problem at ``steps`` and the problems as they always were). Completions
+    are capped at ``max_new_tokens`` (96)."""
 
     name = "wordproblems"
 
     def __init__(self, steps: int = 2, ops: str = "ag", count: int = 20_000, seed: int = 0,
-                 max_new_tokens: int = 96) -> None:
+                 max_new_tokens: int = 96, min_steps: int = 0) -> None:
         if not 1 <= steps <= 4:
             raise ValueError(f"steps must be in 1..4, got {steps}")
+        if not 0 <= min_steps <= steps:
+            raise ValueError(f"min_steps must be in 0..steps={steps}, got {min_steps}")
         if not ops or set(ops) - set(_OPS) or len(set(ops)) != len(ops):
             raise ValueError(f"ops must be distinct letters of {''.join(_OPS)!r}, got {ops!r}")
         if count < 100:
@@ -51,13 +56,15 @@ class WordProblemTask(MathAnswerTask):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.steps, self.ops, self.count, self.seed = steps, ops, count, seed
+        self.min_steps = min_steps
         self.max_new_tokens = max_new_tokens
 
     def generate(self) -> Iterator[tuple[str, Problem]]:
         rng = random.Random(f"wordproblems-{self.seed}")
         seen: set[str] = set()
         while len(seen) < self.count:
-            question, solution, answer = _problem(rng, self.steps, [_OPS[o] for o in self.ops])
+            steps = rng.randint(self.min_steps, self.steps) if self.min_steps else self.steps
+            question, solution, answer = _problem(rng, steps, [_OPS[o] for o in self.ops])
             if question in seen:
                 continue
             seen.add(question)
