@@ -134,6 +134,21 @@ def test_word_problems_are_seeded_graded_and_worked():
         load_task("wordproblems:ops=ax")
 
 
+def test_word_problems_mix_difficulties_only_when_asked():
+    """min_steps draws each problem's operation count; without it the problems are unchanged."""
+    def counts(spec: str) -> set[int]:  # operations per problem, read off the worked solutions
+        return {len(re.findall(r" = ", p.meta["solution"]))
+                for p in load_task(spec).all_problems("train")}
+
+    assert counts("wordproblems:count=300") == {2}
+    assert counts("wordproblems:count=300,min_steps=1") == {1, 2}
+    assert counts("wordproblems:count=300,steps=3,min_steps=3") == {3}
+    assert (load_task("wordproblems:count=300,min_steps=0").all_problems("test")
+            == load_task("wordproblems:count=300").all_problems("test"))
+    with pytest.raises(ValueError, match="min_steps must be in 0..steps=2"):
+        load_task("wordproblems:min_steps=3")
+
+
 def test_chat_template_renders_prompts_and_leaves_grading_alone():
     from lookahead_opd.integrations.opd.tasks import ChatTemplateTask, with_chat_template
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
