@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct (``smollm2-135m-gguf``) and the teacher its own base train
 
 The paper's setting as far as one CPU core allows: the sampled-token loss (``reverse_kl_pg``),
 16 prompts per step, ``--max-steps`` 40 (≤ 80: see the budget below), no lr warm-up, on
-``wordproblems`` (chat-templated);
+one-step word problems (``wordproblems:steps=1``, chat-templated: the teacher's task, see
+``real_teacher.py``);
 the student trains its top ``--top-blocks`` decoder blocks and the jump extrapolates those
 weights. Methods: ``plain`` (AdamW) and ``effopd`` (the same, wrapped: −reverse-KL gate on 16
 fixed rollouts, geometric c, searches at steps 1, 2, 4, …). Progress is measured twice:
@@ -75,11 +76,10 @@ import torch
 from benchmarks import harness
 from benchmarks.common import markdown_table
 from benchmarks.harness import EFFOPD, FRACTIONS, fmt_range
+from benchmarks.real_teacher import DELTA, TASK  # the teacher's task is the study's
 
 STEM = "real_lm"
 STUDENT = "smollm2-135m-gguf"
-TASK = "wordproblems"
-DELTA = Path(__file__).resolve().parent / "results" / "real_teacher" / "smollm2-135m-rl.safetensors"
 LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
 TOP_BLOCKS = 8  # chosen by --probe: see the module docstring

@@ -10,14 +10,15 @@ lr 3e-4), and a full-model delta is the whole 538 MB model. A rank-16 LoRA on ev
 learned like full training (5% → 52% in 30 SFT steps at lr 5e-4) and is ~20 MB; LoRA is known
 to match full training for RL (Schulman et al., "LoRA Without Regret", 2025).
 
-Why a curriculum (``--rl_task``, default ``wordproblems:steps=1``; the teacher is judged on
-``--task``, the study's two-step problems): from the base, RL on the two-step problems did not
-climb. Its samples were right 2–9% of the time (``attempt-*-metrics.jsonl``: 10 steps at lr
-2e-4 with and without 20 SFT steps first, then 9 steps at lr 5e-4 with the rollouts scored at
-their sampling temperature), so most groups of 8 held no correct sample, and the policy drifted
-(sampled-token KL to the base 0 → 0.19) without learning. On one-step problems the base is right
-about a quarter of the time and Dr. GRPO climbs within 10 steps; the skill (one sum, one
-difference, "The answer is N") is what the two-step problems are made of.
+Why one-step problems (``TASK``, ``wordproblems:steps=1``, which the real-model study then
+uses): RL could not start on the two-step default. The base's samples there were right 2–9%
+of the time, most groups of 8 held no correct sample, and the policy drifted without learning
+(``attempt-*-metrics.jsonl``: 10 steps at lr 2e-4 with and without 20 SFT steps first, 9 at lr
+5e-4; the sampled-token KL to the base 0 → 0.19). Nor did one-step skill carry over: RL on
+one-step prompts alone learned to stop after one operation (0 of 64 two-step problems right),
+and on a 1–2-step mix (``--rl_task wordproblems:min_steps=1``) the completions collapsed to
+~25 tokens in 12 steps with the reward at 5–16%. On one-step problems the base is right 22.5%
+of the time and Dr. GRPO climbs at once (sampled reward 9% → 61% by step 17).
 
 Every phase is resumable and writes ``<out>/state.json`` after each phase it completes:
 0. ``warm-up``: ``--warmup_sft`` SFT steps on gold solutions through the same LoRA (0 by
@@ -47,6 +48,7 @@ import time
 from pathlib import Path
 
 BASE = "smollm2-135m-gguf"
+TASK = "wordproblems:steps=1"  # the study's task: see the module docstring
 RESULTS = Path(__file__).parent / "results" / "real_teacher"
 DELTA = RESULTS / "smollm2-135m-rl.safetensors"
 logger = logging.getLogger("real_teacher")
@@ -55,12 +57,12 @@ logger = logging.getLogger("real_teacher")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/real-teacher", help="checkpoints and state")
-    ap.add_argument("--task", default="wordproblems", help="the task the teacher is judged on")
-    ap.add_argument("--rl_task", default="wordproblems:min_steps=1",
-                    help="the prompts RL trains on (a curriculum: see the module docstring)")
+    ap.add_argument("--task", default=TASK, help="the task the teacher is judged on")
+    ap.add_argument("--rl_task", default=None,
+                    help="the prompts RL trains on, when not --task's (a curriculum)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=19, help="RL steps (the accepted build's)")
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--num_samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -78,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.rl_task = args.rl_task or args.task
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch
     from lookahead_opd.integrations.model_sources import (
