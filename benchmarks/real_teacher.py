@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     state.update(gain=gain, distance_ratio=ratio, accepted=not why, rejections=why)
     save()
     (RESULTS / "build.json").write_text(json.dumps({
-        "command": "OMP_NUM_THREADS=1 python -m benchmarks.real_teacher " + " ".join(
+        "command": f"OMP_NUM_THREADS={torch.get_num_threads()} python -m benchmarks.real_teacher "
+                   + " ".join(
             f"--{k} {v}" for k, v in vars(args).items()),
         "base": BASE, **{k: v for k, v in state.items() if k != "args"}}, indent=2) + "\n")
     logger.info("teacher: gain %+.3f, distance ratio %.3f, %s", gain, ratio,
