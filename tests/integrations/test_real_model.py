@@ -162,4 +162,3 @@ def test_two_opd_steps_on_the_real_model(folder, tokenizer, tmp_path):
     changed = {k for k, v in student.state_dict().items() if not torch.equal(v, base[k])}
     assert changed and all(k.startswith("model.layers.29.") for k in changed)
     assert len(result.jumps) == 2
-
