@@ -522,10 +522,10 @@ class TokenScores:
     def _logprobs(self, who: str) -> torch.Tensor:
         if who not in self._cache:
             mask = self.mask.bool()
-            self._cache[who] = (
+            self._cache[who] = (  # "sampler": the student at the sampling temperature
                 self.teacher.sampled(self.tokens, mask) if who == "teacher"
-                else self.student.token_logprobs(self.tokens, mask) if who == "student"
-                else self.student.token_logprobs(self.tokens, mask, self.temperature))
+                else self.student.token_logprobs(
+                    self.tokens, mask, self.temperature if who == "sampler" else 1.0))
         return self._cache[who]
 
     def logits(self) -> tuple[NextTokenLogits, NextTokenLogits]:
