@@ -133,8 +133,9 @@ def test_chatml_with_eos_as_pad_masks_by_length(tokenizer):
     assert rollout.attention_mask[1, : width - len(prompts[1])].sum() == 0  # left padding
 
 
-def test_word_problem_solutions_are_20_to_80_tokens(tokenizer):
-    task = load_task("wordproblems")
+@pytest.mark.parametrize("spec", ["wordproblems", "wordproblems:steps=1"])  # the study's: 1 step
+def test_word_problem_solutions_are_20_to_80_tokens(tokenizer, spec):
+    task = load_task(spec)
     lengths = [len(tokenizer(p.meta["solution"])["input_ids"]) for p in task.problems("test")]
     assert 20 <= min(lengths) and max(lengths) <= 80 < task.max_new_tokens + 1
 
