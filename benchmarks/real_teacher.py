@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the prompts RL trains on, when not --task's (a curriculum)")
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank (alpha = 2 x rank)")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--steps", type=int, default=19, help="RL steps (the accepted build's)")
+    ap.add_argument("--steps", type=int, default=19, help="RL steps (the measured build stopped at 19)")
     ap.add_argument("--batch_size", type=int, default=8)
     ap.add_argument("--num_samples", type=int, default=8)
     ap.add_argument("--temperature", type=float, default=0.7)

@@ -38,7 +38,7 @@ class WordProblemTask(MathAnswerTask):
     from ``random.Random(f"wordproblems-{seed}")``, split train/gate/test by a stable hash of
     the question. ``ops`` picks the operations: ``a`` gets more, ``g`` gives away, ``p`` buys
     packs (a product), ``h`` sells half. ``min_steps`` > 0 mixes difficulties: each problem draws
-    its number of operations from ``min_steps..steps`` (the RL teacher's curriculum; 0, the
+    its number of operations from ``min_steps..steps`` (a curriculum; 0, the
     default, keeps every problem at ``steps`` and the problems as they always were). Completions
     are capped at ``max_new_tokens`` (96)."""
 
