@@ -31,8 +31,11 @@ Every phase is resumable and writes ``<out>/state.json`` after each phase it com
    (``write_lora_delta``), the teacher rebuilt from base + delta (``apply_delta``: what any
    machine gets), base and teacher greedy accuracy on ``--eval_size`` test problems and
    ``‖T−B‖/‖B‖``;
-3. ``sft``: the reference, the base SFT'd through the same LoRA until its probe accuracy
-   reaches the teacher's, and its ``‖T_sft−B‖/‖B‖``, as the zoo's ``rl`` pairs are judged
+3. ``sft``: the reference, the base SFT'd through the same LoRA at ``--sft_lr`` until its
+   probe accuracy reaches the teacher's; its ``‖T_sft−B‖/‖B‖`` at the teacher's accuracy is
+   read off the probes by linear interpolation between the two that bracket it (the first
+   probe past it would overstate the SFT teacher's distance by up to ``--sft_every`` steps'
+   travel, in the RL teacher's favour); judged as the zoo's ``rl`` pairs are
    (``rl_rejections``: ≥15 points gained, at most half the SFT teacher's distance);
 4. ``build.json`` beside the delta: the command, the numbers and the verdict.
 """
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.lora import add_lora
+    from lookahead_opd.integrations.opd.lora import add_lora, lora_deltas
     from lookahead_opd.integrations.opd.scoring import greedy_accuracy
     from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
@@ -175,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
                     state["teacher_accuracy"], state["teacher_distance"])
     if "sft_distance" not in state:
         sft = load(rank=args.rank)
-        reached: list[tuple[int, float]] = []
+        base_sq = sum(float(p.detach().double().pow(2).sum()) for p in base.parameters())
+        reached: list[tuple[int, float, float]] = [(0, state["base_accuracy"], 0.0)]
 
         def stop(model) -> bool:
-            reached.append((len(reached) * args.sft_every + args.sft_every, accuracy(model)))
+            # Only the adapted weights move, each by up @ down: the merged model's distance.
+            moved = sum(float((up.double() @ down.double()).pow(2).sum())
+                        for up, down in lora_deltas(model).values())
+            reached.append((len(reached) * args.sft_every, accuracy(model), (moved / base_sq) ** 0.5))
             model.train()
-            logger.info("sft: step %d probe accuracy %.3f", *reached[-1])
+            logger.info("sft: step %d probe accuracy %.3f distance %.4g", *reached[-1])
             return reached[-1][1] >= state["teacher_accuracy"]
 
         start = time.perf_counter()
@@ -190,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         write_lora_delta(sft, BASE, sft_delta)
         merged = load(apply_delta(BASE, sft_delta, out / "sft"))
         state.update(sft_steps=steps, sft_probes=reached, sft_accuracy=reached[-1][1],
-                     sft_distance=weight_distance(merged, base),
+                     sft_distance=equal_accuracy_distance(reached, state["teacher_accuracy"]),
+                     sft_distance_at_stop=weight_distance(merged, base),
                      sft_seconds=time.perf_counter() - start)
         save()
     gain = state["teacher_accuracy"] - state["base_accuracy"]
@@ -207,6 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("teacher: gain %+.3f, distance ratio %.3f, %s", gain, ratio,
                 "accepted" if not why else f"rejected ({'; '.join(why)})")
     return 0
+
+
+def equal_accuracy_distance(probes: list[tuple[int, float, float]], accuracy: float) -> float:
+    """The distance at which the ``(step, accuracy, distance)`` probes (step 0 the base) first
+    reach ``accuracy``, linear between the two probes that bracket it; the last probe's
+    distance when none reaches it (the SFT teacher of equal accuracy is at least that far)."""
+    for (_, a0, d0), (_, a1, d1) in zip(probes, probes[1:]):
+        if a1 >= accuracy:
+            return d1 if a1 <= a0 else d0 + (d1 - d0) * max(0.0, accuracy - a0) / (a1 - a0)
+    return probes[-1][2]
 
 
 if __name__ == "__main__":
