@@ -163,3 +163,22 @@ def test_two_opd_steps_on_the_real_model(folder, tokenizer, tmp_path):
     changed = {k for k, v in student.state_dict().items() if not torch.equal(v, base[k])}
     assert changed and all(k.startswith("model.layers.29.") for k in changed)
     assert len(result.jumps) == 2
+
+
+def test_the_committed_teacher_rebuilds_from_base_and_delta(folder, tmp_path):
+    """The study's RL teacher is the base plus the committed low-rank delta: it rebuilds on any
+    machine, lies exactly as far from the base as its build recorded, and is small."""
+    import json
+
+    from lookahead_opd.integrations.model_sources import apply_delta
+    from lookahead_opd.integrations.opd.zoo import weight_distance
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.real_teacher import DELTA
+
+    build = json.loads((DELTA.parent / "build.json").read_text())
+    assert build["accepted"] and build["base"] == NAME
+    assert DELTA.stat().st_size == build["delta_bytes"] <= 30 * 2**20
+    teacher = AutoModelForCausalLM.from_pretrained(apply_delta(NAME, DELTA, tmp_path / "t"))
+    base = AutoModelForCausalLM.from_pretrained(folder)
+    assert weight_distance(teacher, base) == pytest.approx(build["teacher_distance"], rel=1e-6)
