@@ -34,32 +34,29 @@ what separated the cells a jump could help.
 ``--workers 2`` lets two processes (one thread each) share one json: each claims a run before
 it starts it (``harness.Store(shared=True)``). ``--report-only`` rewrites md/png from the json.
 
-Choosing k (``--probe``, ``real_lm-probe.md``; EffOPD at lr 1e-4, 4 steps, on a stand-in
-teacher: the base after 10 LoRA-SFT steps, since the RL teacher was not built yet; one thread
-on a 2-core machine at load ~5, so this process had ~0.6 of a core). Held-out KL after 4 steps
-and the seconds of a plain step (16 prompts):
+Choosing k (``--probe``, ``results/real_lm-probe.md``): EffOPD at lr 1e-4, 4 steps, on the
+RL teacher (``real_teacher.py``'s committed delta), one thread beside a one-thread job on the
+other core (the study's own setting). Held-out KL after 4 steps and a plain step's seconds
+(16 prompts):
 
-    k = 2:   1.092 -> 0.642   60 s      (SFT through 2 blocks barely moved the accuracy,
-    k = 8:   1.092 -> 0.562   62 s       real_teacher.py; OPD does move the KL, 8 blocks more)
-    k = 30:  1.092 -> 0.412   76 s      (every block; embeddings and lm_head frozen)
+    k = 2:   0.172 -> 0.098   37 s
+    k = 8:   0.172 -> 0.091   34 s
+    k = 30:  0.172 -> 0.222   25 s      (every block but embeddings and lm_head: KL up)
 
-A plain step is rollouts (16 × ≤96 tokens, 37–43 s) plus scoring (teacher and student, 22–29
-s); the backward through more blocks adds little until every block trains. TOP_BLOCKS = 8:
-8 blocks moved the KL ~77% as far as all 30 for ~80% of a step's cost, and keep item 5's check
-(the part against every block) a real comparison; ``--top-blocks 30`` is the alternative if
-the real teacher's runs show 8 moving too little. Rerun ``--probe`` on the real teacher first.
+TOP_BLOCKS = 8: the largest drop of the three (a little over k = 2); every block at lr 1e-4 overshoots (the KL rises), which is
+also why item 5's check (``full``) runs at the conservative lr. The RL teacher sits close to
+the base (KL 0.17), so the KL to close is small. (An earlier probe on a stand-in teacher, the
+base after 10 LoRA-SFT steps at KL 1.09, on two-step problems, gave 0.64 / 0.56 / 0.41 for
+60 / 62 / 76 s a step, at load ~5.)
 
-Budget at k = 8 (the measured numbers, under that load; on a dedicated core expect ~0.6×): a
-plain step 62 s; a search adds its gate, 4–5 evals of the 16 fixed rollouts, 47–51 s (the
-first search 108 s: it also samples and teacher-scores the gate rollouts); a 200-problem greedy
-eval ≤2.9 min (the first run's step 0 on the stand-in: base 7.0%; the teacher's eval and the
-held-out rollouts together 3.3 min, once per process); a held-out KL ~12 s (an estimate, from
-the gate's throughput). One run of S steps: S × 62 + searches (1, 2, 4, …: 6 for S = 40) × 50
-+ 60 + (S/20 + 1) × 170 + (S/5 + 1) × 12 s. At S = 80 that is ~1.8 h a run, 22 runs ~40
-CPU-hours: far over the issue's 10. Hence ``--max-steps`` 40 by default: ~58 min a run loaded
-(~35 min on a dedicated core), 18–22 runs (stage 2 runs 2 or 3 lrs) = 10.5–13 CPU-hours on
-dedicated cores, 5–6.5 hours of wall with two workers. Over 10 by up to a third: ``--budget_s``
-stops starting runs (the json stays resumable), and stage 2's third lr is the first to go.
+Budget at k = 8 (the probe's numbers): a plain step ~34 s; a search adds its gate, 17–45 s
+(the first: it also samples and teacher-scores the gate rollouts); a 200-problem greedy eval
+≤3 min, the teacher's eval and the held-out rollouts once per process; a held-out KL ~10 s.
+One run of S steps: S × 34 + searches (6 for S = 40) × 35 + (S/20 + 1) × 180 + (S/5 + 1) × 10
+s, ~35 min at S = 40 (80 steps would double it). Hence ``--max-steps`` 40 by default: 18–22
+runs (stage 2 runs 2 or 3 lrs) = 10.5–13 CPU-hours, 5–6.5 hours of wall with two workers.
+Over 10 by up to a third: ``--budget_s`` stops starting runs (the json stays resumable), and
+stage 2's third lr is the first to go.
 """
 
 from __future__ import annotations
