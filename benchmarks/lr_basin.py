@@ -251,6 +251,10 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell: str) ->
         out["basin"][f"{fr:g}"] = {  # only over a method's whole grid: a part would shrink it
             m: basin({float(f): d[f"steps_{fr:g}"][0] for f, d in per.items()}, ref)
             if len(per) == len(a.factors) else None for m, per in methods.items()}
+    # The same width per seed on the grid every seed ran (best/16, best/4, best): coarser than
+    # seed 0's, but it says whether a width holds across seeds. None: not every start ran yet.
+    out["seed_basin"] = {f"{fr:g}": {m: [_seed_basin(a, methods, m, s, fr) for s in a.seeds]
+                                     for m in methods} for fr in FRACTIONS}
     sweep = runs_of(results, cell, "adamw")
     c0 = best * CONSERVATIVE
     out["sweep"] = {}
@@ -269,6 +273,23 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell: str) ->
     return out
 
 
+def _seed_basin(a: argparse.Namespace, methods: dict[str, Any], method: str, seed: int,
+                fr: float) -> float | str | None:
+    """``basin`` of one seed over ``a.seed_factors``, against AdamW's steps at best for that
+    seed; "none" when no start is within the slack, None while a start has not run."""
+    def at(m: str, f: float) -> tuple[bool, int | None]:
+        d = methods.get(m, {}).get(f"{f:g}")
+        if d is None or seed not in d["seeds"]:
+            return False, None
+        return True, d[f"steps_{fr:g}"][d["seeds"].index(seed)]
+    got = {f: at(method, f) for f in a.seed_factors}
+    ran_ref, ref = at("adamw", 1.0)
+    if not ran_ref or not all(ran for ran, _ in got.values()):
+        return None
+    width = basin({f: st for f, (_, st) in got.items()}, ref)
+    return "none" if width is None else width
+
+
 def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     ran = {r["cell"] for r in results["runs"].values()}
     return {n: summarize_cell(a, results, n) for n in a.cell_specs if n in a.names or n in ran}
@@ -279,6 +300,17 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
 
 def _x(f: float | None) -> str:
     return "—" if f is None else f"{f:g}×"
+
+
+def _seeds_x(widths: list[float | str | None]) -> str:
+    """Per-seed widths, then their min–max: '4× / 16× / 4× (4–16×)'; '—' a seed not run yet."""
+    each = " / ".join("—" if w is None else w if isinstance(w, str) else _x(w) for w in widths)
+    got = [0.0 if w == "none" else w for w in widths if w is not None]
+    if len(got) < 2 or len(got) < len(widths):
+        return each
+    lo, hi = min(got), max(got)
+    span = (f"{lo:g}×" if lo else "none") + ("" if lo == hi else f"–{hi:g}×")
+    return f"{each} ({span})"
 
 
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
@@ -296,7 +328,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"searches every {EVERY} steps; `-follow`: `lr_follow={FOLLOW_CAP:g}`, experimental; "
         "Mechanic around AdamW at the starting lr; Prodigy at lr 1 with d0 = the starting lr). "
         f"Basin width: the factor spanned by the starting lrs whose steps stay ≤ {BASIN_SLACK}× "
-        "AdamW's at its best lr (seed 0).", "",
+        "AdamW's at its best lr (seed 0 over every start; then each seed over the three starts "
+        "every seed ran, against AdamW at the best lr on the same seed, with the min–max).", "",
     ]
     for name, c in s.items():
         lines += [f"## {name}", ""]
@@ -312,6 +345,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
             continue
         lines += [f"AdamW's best lr: **{c['best_lr']:g}**.", ""]
         headers = ["method", *[f"best×{f:g}" for f in a.factors], "basin (75%)", "basin (90%)",
+                   "basin (75%) on best/16, /4, 1: seeds " + " / ".join(map(str, a.seeds)),
                    "steps at best/16 (75% / 90%)", "gate evals / seconds at best/16"]
         rows = []
         for meth, per in c["methods"].items():
@@ -323,6 +357,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                     for fr in FRACTIONS))
             d16 = per.get(f"{CONSERVATIVE:g}")
             rows.append([meth, *cells, _x(c["basin"]["0.75"].get(meth)), _x(c["basin"]["0.9"].get(meth)),
+                         _seeds_x(c["seed_basin"]["0.75"][meth]),
                          "—" if d16 is None else " / ".join(fmt_range(d16[f"steps_{fr:g}"])
                                                             for fr in FRACTIONS),
                          "—" if d16 is None else f"{fmt_range(d16['gate_evals'])} / "
@@ -362,7 +397,11 @@ def verdict(a: argparse.Namespace, s: dict[str, Any]) -> str:
         if eff is None or not rivals:
             continue
         beats = all(mean[eff] < mean[r] for r in rivals)
-        said.append(f"{name}: {eff} {mean[eff]:.0f} steps vs " + ", ".join(
+        d = per[eff][f"{CONSERVATIVE:g}"]  # its gate, counted: the rivals have none
+        shares = [g / c for g, c in zip(d["gate_seconds"], d["clock"], strict=True) if c]
+        share = f", {statistics.fmean(shares):.0%} of its clock" if shares else ""
+        said.append(f"{name}: {eff} {mean[eff]:.0f} steps ({statistics.fmean(d['gate_evals']):.0f}"
+                    f" gate evaluations{share}) vs " + ", ".join(
             f"{r} {mean[r]:.0f}" for r in rivals) + (" (EffOPD ahead)" if beats else " (not ahead)"))
     if not said:
         return ("Not measured yet: no cell has every method's runs at best/16. The comparison "

@@ -115,6 +115,9 @@ def train(
         "lr": sched.get_last_lr()[0],
         "params": [p.detach().cpu().flatten().tolist() for p in net.parameters()],
     }
+    # Tear down together: a rank that destroys its process group while its peer still talks
+    # to it can abort at exit (seen once in CI: SIGABRT in gloo's teardown).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
 

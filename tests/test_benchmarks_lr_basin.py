@@ -25,6 +25,26 @@ def test_basin_is_the_contiguous_span_around_the_best_start():
     assert lr_basin.basin(per, reference=10) is None and lr_basin.basin(per, None) is None
 
 
+def test_each_seed_gets_its_own_basin_on_the_seeded_starts():
+    a = lr_basin.parse_args(["--cells", "long-128/sft/adamw"])
+
+    def at(steps_by_seed):  # one start's record: its seeds and their steps to 75%
+        return {"seeds": list(steps_by_seed), "steps_0.75": list(steps_by_seed.values())}
+
+    methods = {
+        "adamw": {"1": at({0: 40, 1: 50, 2: 40})},
+        "effopd": {"0.0625": at({0: 45, 1: 200}), "0.25": at({0: 44, 1: 60}),
+                   "1": at({0: 40, 1: 48, 2: 40})},
+    }
+    widths = [lr_basin._seed_basin(a, methods, "effopd", s, 0.75) for s in (0, 1, 2)]
+    # seed 0: all three starts ≤ 1.25 × 40; seed 1: best/4 and best ≤ 1.25 × 50; seed 2: not run
+    assert widths == [16.0, 4.0, None]
+    assert lr_basin._seeds_x(widths) == "16× / 4× / —"
+    assert lr_basin._seeds_x([16.0, 4.0, "none"]) == "16× / 4× / none (none–16×)"
+    methods["adamw"]["1"] = at({0: None, 1: 50, 2: 40})  # AdamW at best missed: no basin
+    assert lr_basin._seed_basin(a, methods, "effopd", 0, 0.75) == "none"
+
+
 def test_the_plan_searches_first_then_runs_from_best_over_16_outwards():
     a = lr_basin.parse_args(["--cells", "long-128/sft/adamw"])
     name = "long-128/sft/adamw"
