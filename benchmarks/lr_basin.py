@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -245,16 +246,12 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell: str) ->
                 "searches": [len(r["jumps"]) for r in rs], "crashed": [bool(r["crashed"]) for r in rs]}
         methods[m] = per
     out["methods"] = methods
-    out["basin"] = {}
-    for fr in FRACTIONS:
-        ref = methods.get("adamw", {}).get("1", {}).get(f"steps_{fr:g}", [None])[0]
-        out["basin"][f"{fr:g}"] = {  # only over a method's whole grid: a part would shrink it
-            m: basin({float(f): d[f"steps_{fr:g}"][0] for f, d in per.items()}, ref)
-            if len(per) == len(a.factors) else None for m, per in methods.items()}
-    # The same width per seed on the grid every seed ran (best/16, best/4, best): coarser than
-    # seed 0's, but it says whether a width holds across seeds. None: not every start ran yet.
-    out["seed_basin"] = {f"{fr:g}": {m: [_seed_basin(a, methods, m, s, fr) for s in a.seeds]
-                                     for m in methods} for fr in FRACTIONS}
+    # Seed 0 over every start; then each seed over the starts every seed ran (best/16, best/4,
+    # best): coarser, but it says whether a width holds across seeds.
+    out["basin"] = {f"{fr:g}": {m: basin_of(methods, m, 0, fr, a.factors) for m in methods}
+                    for fr in FRACTIONS}
+    out["seed_basin"] = {f"{fr:g}": {m: [basin_of(methods, m, s, fr, a.seed_factors)
+                                         for s in a.seeds] for m in methods} for fr in FRACTIONS}
     sweep = runs_of(results, cell, "adamw")
     c0 = best * CONSERVATIVE
     out["sweep"] = {}
@@ -273,16 +270,17 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell: str) ->
     return out
 
 
-def _seed_basin(a: argparse.Namespace, methods: dict[str, Any], method: str, seed: int,
-                fr: float) -> float | str | None:
-    """``basin`` of one seed over ``a.seed_factors``, against AdamW's steps at best for that
-    seed; "none" when no start is within the slack, None while a start has not run."""
+def basin_of(methods: dict[str, Any], method: str, seed: int, fr: float,
+             factors: Sequence[float]) -> float | str | None:
+    """``basin`` of one seed over the starts ``factors``, against AdamW's steps at the best lr
+    on that seed; "none" when no start is within the slack, None until every start has run
+    (a part of the grid would shrink it)."""
     def at(m: str, f: float) -> tuple[bool, int | None]:
         d = methods.get(m, {}).get(f"{f:g}")
         if d is None or seed not in d["seeds"]:
             return False, None
         return True, d[f"steps_{fr:g}"][d["seeds"].index(seed)]
-    got = {f: at(method, f) for f in a.seed_factors}
+    got = {f: at(method, f) for f in factors}
     ran_ref, ref = at("adamw", 1.0)
     if not ran_ref or not all(ran for ran, _ in got.values()):
         return None
@@ -298,13 +296,13 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- report
 
 
-def _x(f: float | None) -> str:
-    return "—" if f is None else f"{f:g}×"
+def fmt_width(w: float | str | None) -> str:
+    return "—" if w is None else w if isinstance(w, str) else f"{w:g}×"
 
 
-def _seeds_x(widths: list[float | str | None]) -> str:
+def fmt_widths(widths: list[float | str | None]) -> str:
     """Per-seed widths, then their min–max: '4× / 16× / 4× (4–16×)'; '—' a seed not run yet."""
-    each = " / ".join("—" if w is None else w if isinstance(w, str) else _x(w) for w in widths)
+    each = " / ".join(map(fmt_width, widths))
     got = [0.0 if w == "none" else w for w in widths if w is not None]
     if len(got) < 2 or len(got) < len(widths):
         return each
@@ -356,8 +354,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                     "·" if d[f"steps_{fr:g}"][0] is None else str(d[f"steps_{fr:g}"][0])
                     for fr in FRACTIONS))
             d16 = per.get(f"{CONSERVATIVE:g}")
-            rows.append([meth, *cells, _x(c["basin"]["0.75"].get(meth)), _x(c["basin"]["0.9"].get(meth)),
-                         _seeds_x(c["seed_basin"]["0.75"][meth]),
+            rows.append([meth, *cells, fmt_width(c["basin"]["0.75"][meth]),
+                         fmt_width(c["basin"]["0.9"][meth]), fmt_widths(c["seed_basin"]["0.75"][meth]),
                          "—" if d16 is None else " / ".join(fmt_range(d16[f"steps_{fr:g}"])
                                                             for fr in FRACTIONS),
                          "—" if d16 is None else f"{fmt_range(d16['gate_evals'])} / "

@@ -36,13 +36,13 @@ def test_each_seed_gets_its_own_basin_on_the_seeded_starts():
         "effopd": {"0.0625": at({0: 45, 1: 200}), "0.25": at({0: 44, 1: 60}),
                    "1": at({0: 40, 1: 48, 2: 40})},
     }
-    widths = [lr_basin._seed_basin(a, methods, "effopd", s, 0.75) for s in (0, 1, 2)]
+    widths = [lr_basin.basin_of(methods, "effopd", s, 0.75, a.seed_factors) for s in (0, 1, 2)]
     # seed 0: all three starts ≤ 1.25 × 40; seed 1: best/4 and best ≤ 1.25 × 50; seed 2: not run
     assert widths == [16.0, 4.0, None]
-    assert lr_basin._seeds_x(widths) == "16× / 4× / —"
-    assert lr_basin._seeds_x([16.0, 4.0, "none"]) == "16× / 4× / none (none–16×)"
+    assert lr_basin.fmt_widths(widths) == "16× / 4× / —"
+    assert lr_basin.fmt_widths([16.0, 4.0, "none"]) == "16× / 4× / none (none–16×)"
     methods["adamw"]["1"] = at({0: None, 1: 50, 2: 40})  # AdamW at best missed: no basin
-    assert lr_basin._seed_basin(a, methods, "effopd", 0, 0.75) == "none"
+    assert lr_basin.basin_of(methods, "effopd", 0, 0.75, a.seed_factors) == "none"
 
 
 def test_the_plan_searches_first_then_runs_from_best_over_16_outwards():
