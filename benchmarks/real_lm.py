@@ -43,8 +43,9 @@ other core (the study's own setting). Held-out KL after 4 steps and a plain step
     k = 8:   0.172 -> 0.091   34 s
     k = 30:  0.172 -> 0.222   25 s      (every block but embeddings and lm_head: KL up)
 
-TOP_BLOCKS = 8: the largest drop of the three (a little over k = 2); every block at lr 1e-4 overshoots (the KL rises), which is
-also why item 5's check (``full``) runs at the conservative lr. The RL teacher sits close to
+TOP_BLOCKS = 8: the largest drop of the three (a little over k = 2); every block at lr 1e-4
+overshoots (the KL rises), which is also why item 5's check (``full``) runs at the
+conservative lr. The RL teacher sits close to
 the base (KL 0.17), so the KL to close is small. (An earlier probe on a stand-in teacher, the
 base after 10 LoRA-SFT steps at KL 1.09, on two-step problems, gave 0.64 / 0.56 / 0.41 for
 60 / 62 / 76 s a step, at load ~5.)
