@@ -188,7 +188,8 @@ def part_name(a: argparse.Namespace, full: bool) -> str:
 
 def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, part: str,
             method: str, lr: float, seed: int, max_steps: int | None = None) -> dict[str, Any]:
-    """One run; ``method`` ``NOISE``: plain, micro-batched, measuring B_noise instead of the KL."""
+    """One run; ``method`` ``NOISE``: plain, micro-batched, measuring B_noise instead of the KL.
+    A run is 35–45 minutes, so it shows the trainer's per-step bar under the study's per-run one."""
     noise = method == NOISE
     fields = {} if noise else dict(METHODS[method])
     if "gate" in fields:
@@ -201,7 +202,7 @@ def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, 
         a.stem, f"{part}-{method}-{lr:.6g}-{seed}", task=a.task, loss=LOSS,
         max_steps=max_steps or a.max_steps, batch_size=a.batch_size, learning_rate=lr,
         warmup_steps=0, eval_every=0 if noise else a.eval_every, eval_size=a.eval_size,
-        seed=seed, train_top_blocks=blocks, **fields)
+        seed=seed, train_top_blocks=blocks, progress=not a.smoke, **fields)
     probes: list[Any] = []
 
     def watch(model: torch.nn.Module) -> list[Any]:
