@@ -110,3 +110,25 @@ def test_a_shared_store_claims_runs_and_takes_in_the_others(tmp_path):
     mine.sync()
     assert mine.runs == {"a": {"x": 3}, "theirs": {"x": 1}}
     assert os.getpid() == int((tmp_path / ".claims-s" / "a|b_c").read_text())
+
+
+def test_the_verdict_compares_at_the_highest_fraction_every_pair_reached():
+    a = real_lm.parse_args(["--lrs", "1e-5,3e-5"])
+    # KL from 1.0 to step 40: plain reaches 50% at step 10, EffOPD 50% at 5 and 75% at 10,
+    # nobody 90%; at the cap 0.4 against 0.2
+    plain = [1.0, 0.6, 0.5, 0.45, 0.42, 0.4, 0.4, 0.4, 0.4]
+    eff = [1.0, 0.5, 0.25, 0.22, 0.21, 0.2, 0.2, 0.2, 0.2]
+    results = {"teacher_accuracy": 0.5, "runs": {
+        real_lm.run_key("top8", m, lr, sd): _run("top8", m, lr, sd, kl)
+        for sd in range(3) for lr in a.lrs for m, kl in (("plain", plain), ("effopd", eff))}}
+    s = real_lm.summarize(a, results)
+    d = s["paired"]["1e-05"]
+    assert d["fraction"] == 0.75  # 90%: nobody; 75%: EffOPD, plain at the cap
+    cap = a.max_steps + a.kl_every
+    assert d["kl_steps_0.75"] == [cap / 10] * 3 and d["kl_steps_0.5"] == [2.0] * 3
+    said = real_lm.verdict(a, s)
+    assert "at the conservative lr (1e-05) EffOPD beats plain OPD" in said
+    assert "steps to 75% of the KL drop 4.50 [4.50–4.50]" in said
+    assert "KL at the cap 2.00 [2.00–2.00]" in said
+    assert real_lm.highest_fraction({0.5: [1.0, None], 0.75: [None], 0.9: []}) is None
+    assert real_lm.highest_fraction({0.5: [1.0, 2.0], 0.75: [1.0, None], 0.9: [None]}) == 0.5
