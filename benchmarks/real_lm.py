@@ -453,14 +453,18 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "fraction: of the KL drop to 0, or of the teacher's accuracy gain over the base "
         "('·': not reached within the cap).", "",
         "## Verdict", "", verdict(a, s), "", both_ends(a, s), "",
-        "## Seed 0 at every lr", "",
+        "## Every run", "",
     ]
     headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",
                "accuracy base → at cap", "acc. steps 50/75/90%", "kept / searches",
                "gate share", "secant cos", "clock (s)"]
     rows = []
-    for key, r in sorted(s["runs"].items(), key=lambda kv: (kv[1] is None, kv[0])):
+    def order(key: str) -> tuple[Any, ...]:  # by part, method, lr (as a number), seed
         run = results["runs"][key]
+        return run["part"], run["method"], run["lr"], run["seed"]
+
+    for key in sorted(s["runs"], key=order):
+        r, run = s["runs"][key], results["runs"][key]
         rows.append([run["part"], run["method"], f"{run['lr']:g}" + (
             f" (seed {run['seed']})" if run["seed"] else ""),
             f"{_n(r['kl0'])} → {_n(r['final_kl'])}", _steps(r, "kl"),
