@@ -43,6 +43,10 @@ def test_the_plan_runs_the_lrs_then_seeds_at_the_best_and_conservative_lrs_then_
     ] + [("full", m, 1e-5, 0) for m in real_lm.METHODS]
     a.full_check = False
     assert all(p != "full" for p, *_ in real_lm.plan(a, results))
+    # every block trained: its own json, "full" runs throughout, no stage 3 (it would repeat one)
+    a = real_lm.parse_args(["--lrs", "1e-6,1e-5", "--top-blocks", "0"])
+    assert a.stem == "real_lm-full" and real_lm.plan(a, {"runs": {}}) == [
+        ("full", m, lr, 0) for lr in a.lrs for m in real_lm.METHODS]
 
 
 def test_the_lrs_go_one_further_while_plain_is_best_at_the_highest():
@@ -54,7 +58,7 @@ def test_the_lrs_go_one_further_while_plain_is_best_at_the_highest():
 
 
 def test_bad_options_and_a_missing_teacher_are_one_line(tmp_path, monkeypatch):
-    for argv in (["--lrs", "x"], ["--lrs", "-1"], ["--top-blocks", "0"],
+    for argv in (["--lrs", "x"], ["--lrs", "-1"], ["--top-blocks", "-1"],
                  ["--teacher", str(tmp_path)]):
         with pytest.raises(SystemExit) as e:
             real_lm.parse_args(argv)
