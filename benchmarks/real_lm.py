@@ -326,6 +326,13 @@ def ratio(plain: int | float | None, eff: int | float | None, cap: float) -> flo
     return (cap if plain is None else plain) / (cap if eff is None else eff)
 
 
+def step_ratios(pairs: list[tuple[dict[str, Any], dict[str, Any]]], cap: float
+                ) -> dict[float, list[float | None]]:
+    """Per fraction of the KL drop, plain / EffOPD steps to it for each (plain, effopd) pair."""
+    return {f: [ratio(p[f"kl_steps_{f:g}"], e[f"kl_steps_{f:g}"], cap) for p, e in pairs]
+            for f in FRACTIONS}
+
+
 def highest_fraction(ratios: dict[float, list[float | None]]) -> float | None:
     """The highest of ``FRACTIONS`` of the KL drop whose plain / EffOPD step ratios are all
     defined (a pair counts when one of its runs reached it, the other at the cap): the
@@ -352,8 +359,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
                 pairs.append((seed, runs[p], runs[e]))
         if not pairs:
             continue
-        steps = {f: [ratio(p[f"kl_steps_{f:g}"], e[f"kl_steps_{f:g}"], cap) for _, p, e in pairs]
-                 for f in FRACTIONS}
+        steps = step_ratios([(p, e) for _, p, e in pairs], cap)
         paired[f"{lr:g}"] = {
             "seeds": [sd for sd, _, _ in pairs], "fraction": highest_fraction(steps),
             **{f"kl_steps_{f:g}": steps[f] for f in FRACTIONS},
@@ -367,8 +373,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     full = {m: runs.get(run_key("full", m, a.lrs[0], 0)) for m in METHODS}
     part0 = {m: runs.get(run_key(part, m, a.lrs[0], 0)) for m in METHODS}
     if a.top_blocks and all(full.values()) and all(part0.values()):
-        steps = {f: [ratio(d["plain"][f"kl_steps_{f:g}"], d["effopd"][f"kl_steps_{f:g}"], cap)
-                     for d in (full, part0)] for f in FRACTIONS}
+        steps = step_ratios([(d["plain"], d["effopd"]) for d in (full, part0)], cap)
         f = highest_fraction(steps)
 
         def says(r: float | None) -> str:
