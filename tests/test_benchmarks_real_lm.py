@@ -136,3 +136,16 @@ def test_the_verdict_compares_at_the_highest_fraction_every_pair_reached():
     assert "KL at the cap 2.00 [2.00–2.00]" in said
     assert real_lm.highest_fraction({0.5: [1.0, None], 0.75: [None], 0.9: []}) is None
     assert real_lm.highest_fraction({0.5: [1.0, 2.0], 0.75: [1.0, None], 0.9: [None]}) == 0.5
+
+
+def test_the_every_block_report_names_what_it_trains_and_has_no_part_to_check():
+    results = {"teacher_accuracy": 0.5, "student": "s", "teacher": "t", "machine": {},
+               "commands": ["c"], "runs": {}}
+    for blocks, part in (("0", "full"), ("8", "top8")):
+        a = real_lm.parse_args(["--lrs", "1e-5,3e-5", "--top-blocks", blocks])
+        results["runs"] = {real_lm.run_key(part, m, 1e-5, 0): _run(part, m, 1e-5, 0, [1, .5])
+                           for m in real_lm.METHODS}
+        results["summary"] = real_lm.summarize(a, results)
+        md = real_lm.report(a, results)
+        assert ("training every block" in md) == (blocks == "0")
+        assert ("(item 5)" in md) == (blocks != "0")
