@@ -426,7 +426,9 @@ def verdict(a: argparse.Namespace, s: dict[str, Any]) -> str:
 def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
     """Does EffOPD from the conservative lr get the fast lr's early speed (steps to 50% of the
     KL drop: plain at its best lr) *and* the small lr's end point (KL at the cap: plain at the
-    conservative lr)? Means over the seeds run at both."""
+    conservative lr)? Means over the seeds run at both. Where every one of those runs got
+    further than 50%, the steps to the highest such fraction follow: early is not the whole
+    race."""
     part, best = part_name(a, False), (s.get("best") or {}).get("plain")
     if best is None:
         return "Not measured yet (the lr stage is not finished)."
@@ -436,15 +438,21 @@ def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
 
     eff, fast, slow = runs("effopd", a.lrs[0]), runs("plain", best), runs("plain", a.lrs[0])
     cap = a.max_steps + a.kl_every
-    early = [harness.mean([cap if r["kl_steps_0.5"] is None else r["kl_steps_0.5"] for r in rs])
-             for rs in (eff, fast)]
-    end = [harness.mean([r["final_kl"] for r in rs]) for rs in (eff, slow)]
+
+    def steps(f: float) -> list[float | None]:
+        return [harness.mean([cap if r[f"kl_steps_{f:g}"] is None else r[f"kl_steps_{f:g}"]
+                              for r in rs]) for rs in (eff, fast)]
+
+    early, end = steps(0.5), [harness.mean([r["final_kl"] for r in rs]) for rs in (eff, slow)]
     if None in early or None in end:
         return "Not measured yet."
+    far = [f for f in FRACTIONS if all(r[f"kl_steps_{f:g}"] is not None for r in eff + fast)]
+    later = (f"; to {far[-1]:.0%}: {steps(far[-1])[0]:.0f} against {steps(far[-1])[1]:.0f}"
+             if far and far[-1] > 0.5 else "")
     return (f"EffOPD from the conservative lr {a.lrs[0]:g}: {early[0]:.0f} steps to 50% of the "
             f"KL drop against plain's {early[1]:.0f} at its best lr {best:g} "
-            f"({'as fast' if early[0] <= early[1] else 'slower'}); KL at the cap {end[0]:.3f} "
-            f"against plain's {end[1]:.3f} at the conservative lr "
+            f"({'as fast' if early[0] <= early[1] else 'slower'}{later}); KL at the cap "
+            f"{end[0]:.3f} against plain's {end[1]:.3f} at the conservative lr "
             f"({'as low' if end[0] <= end[1] else 'higher'}). Means over {len(eff)}, "
             f"{len(fast)} and {len(slow)} seeds; not reached counts as {cap} steps.")
 

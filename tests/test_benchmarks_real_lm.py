@@ -149,3 +149,20 @@ def test_the_every_block_report_names_what_it_trains_and_has_no_part_to_check():
         md = real_lm.report(a, results)
         assert ("training every block" in md) == (blocks == "0")
         assert ("(item 5)" in md) == (blocks != "0")
+
+
+def test_both_ends_gives_the_early_race_and_the_furthest_one_every_run_reached():
+    a = real_lm.parse_args(["--lrs", "1e-5,3e-5,1e-4"])
+    curves = {("plain", 1e-5): [1, .8, .6, .5, .45, .4, .35, .3, .3],  # 50% at 15
+              ("plain", 3e-5): [1, .4, .08, .05, .05, .05, .05, .05, .05],  # 50% at 5, 90% at 10
+              ("effopd", 1e-5): [1, .5, .3, .2, .08, .07, .06, .05, .05],  # 50% at 5, 90% at 20
+              ("effopd", 3e-5): [1, .6, .5, .4, .4, .4, .4, .4, .4],
+              ("plain", 1e-4): [1, 2, 3, 4, 4, 4, 4, 4, 4], ("effopd", 1e-4): [1, 2, 3, 4, 4, 4, 4, 4, 4]}
+    results = {"teacher_accuracy": 0.5, "runs": {
+        real_lm.run_key("top8", m, lr, 0): _run("top8", m, lr, 0, kl)
+        for (m, lr), kl in curves.items()}}
+    said = real_lm.both_ends(a, real_lm.summarize(a, results))
+    assert said.startswith("EffOPD from the conservative lr 1e-05: 5 steps to 50% of the KL drop "
+                           "against plain's 5 at its best lr 3e-05 (as fast; to 90%: 20 against "
+                           "10); KL at the cap 0.050 against plain's 0.300 at the conservative "
+                           "lr (as low).")
