@@ -555,7 +555,9 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     acc_ax.axhline(results["teacher_accuracy"], color="gray", ls=":", label="teacher")
     kl_ax.legend(fontsize=6)
     acc_ax.legend(fontsize=6)
-    fig.suptitle("seed 0: plain (solid) vs EffOPD (dashed); dots: every block trained", fontsize=9)
+    fig.suptitle("seed 0: plain (solid) vs EffOPD (dashed); "
+                 + ("dots: every block trained" if a.top_blocks else "every block trained"),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
     plt.close(fig)
