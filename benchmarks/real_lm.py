@@ -447,7 +447,7 @@ def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
     if None in early or None in end:
         return "Not measured yet."
     far = [f for f in FRACTIONS if all(r[f"kl_steps_{f:g}"] is not None for r in eff + fast)]
-    later = (f"; to {far[-1]:.0%}: {steps(far[-1])[0]:.0f} against {steps(far[-1])[1]:.0f}"
+    later = ("; to {:.0%}: {:.0f} against {:.0f}".format(far[-1], *steps(far[-1]))
              if far and far[-1] > 0.5 else "")
     return (f"EffOPD from the conservative lr {a.lrs[0]:g}: {early[0]:.0f} steps to 50% of the "
             f"KL drop against plain's {early[1]:.0f} at its best lr {best:g} "
