@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import statistics
 from pathlib import Path
@@ -81,6 +82,7 @@ from benchmarks.harness import EFFOPD, FRACTIONS, fmt_range
 from benchmarks.real_teacher import DELTA, TASK  # the teacher's task is the study's
 
 STEM = "real_lm"
+FULL_STEM = f"{STEM}-full"  # the every-block study: item 5 showed it is the one to ask
 STUDENT = "smollm2-135m-gguf"
 LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
@@ -141,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--teacher {a.teacher}: not a model folder (no config.json)")
     a.stem, a.task, a.seeds, a.probe_ks = STEM, TASK, SEEDS, PROBE_KS
     if a.top_blocks == 0:  # its own json: a study's report reads one part
-        a.stem = f"{STEM}-full"
+        a.stem = FULL_STEM
     if a.smoke:  # the committed tiny zoo pair: the pipeline, every stage, in a minute
         a.stem, a.task, a.seeds, a.probe_ks = f"{STEM}-smoke", "arithmetic", (0, 1), (1, 2)
         a.lrs, a.top_blocks, a.max_steps, a.batch_size = [1e-3, 4e-3], 1, 4, 8
@@ -383,6 +385,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
         full_says, part_says = (["no target"] * 2 if f is None else map(says, steps[f]))
         s["full_check"] = {"lr": a.lrs[0], "fraction": f, "full": full_says, part: part_says,
                            "same_verdict": full_says == part_says}
+    s["verdict"] = verdict(a, s)
     return s
 
 
@@ -457,6 +460,18 @@ def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
             f"{len(fast)} and {len(slow)} seeds; not reached counts as {cap} steps.")
 
 
+def every_block_verdict(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
+    """Where the part trained gave a different verdict from every block (item 5), the study's
+    answer is the every-block study's: its verdict, read from its json, follows this one."""
+    fc, path = s.get("full_check"), Path(a.out) / f"{FULL_STEM}.json"
+    if a.stem != STEM or not fc or fc["same_verdict"] or not path.is_file():
+        return []
+    said = json.loads(path.read_text()).get("summary", {}).get("verdict")
+    return ["", f"Training the top {a.top_blocks} blocks gave a different verdict from training "
+            f"every block (item 5, below), so the study's answer is the every-block study's "
+            f"([{FULL_STEM}.md]({FULL_STEM}.md)): {said}"] if said else []
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     s, m = results["summary"], results["machine"]
     part = part_name(a, False)
@@ -475,7 +490,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"accuracy on {a.eval_size} test problems every {a.eval_every} steps. Steps to a "
         "fraction: of the KL drop to 0, or of the teacher's accuracy gain over the base "
         "('·': not reached within the cap).", "",
-        "## Verdict", "", verdict(a, s), "", both_ends(a, s), "",
+        "## Verdict", "", s["verdict"], *every_block_verdict(a, s), "", both_ends(a, s), "",
         "## Every run", "",
     ]
     headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",

@@ -151,6 +151,28 @@ def test_the_every_block_report_names_what_it_trains_and_has_no_part_to_check():
         assert ("(item 5)" in md) == (blocks != "0")
 
 
+def test_a_part_with_a_different_verdict_points_to_the_every_block_one(tmp_path):
+    a = real_lm.parse_args(["--lrs", "1e-5,3e-5", "--out", str(tmp_path)])
+    same, fast = [1, .4, .3, .3, .3, .3, .3, .3, .3], [1, .8, .4, .3, .3, .3, .3, .3, .3]
+    results = {"teacher_accuracy": 0.5, "student": "s", "teacher": "t", "machine": {},
+               "commands": ["c"], "runs": {
+                   real_lm.run_key(part, m, 1e-5, 0): _run(part, m, 1e-5, 0, kl)
+                   for part, m, kl in (("full", "plain", same), ("full", "effopd", same),
+                                       ("top8", "plain", fast), ("top8", "effopd", same))}}
+    results["summary"] = real_lm.summarize(a, results)
+    assert results["summary"]["full_check"]["same_verdict"] is False
+    assert "the every-block study's" not in real_lm.report(a, results)  # no json of it yet
+    said = "On this student and teacher, at the conservative lr (1e-06) EffOPD beats plain OPD."
+    (tmp_path / f"{real_lm.FULL_STEM}.json").write_text(json.dumps({"summary": {"verdict": said}}))
+    md = real_lm.report(a, results)
+    assert results["summary"]["verdict"] in md
+    assert f"([real_lm-full.md](real_lm-full.md)): {said}" in md
+    results["runs"][real_lm.run_key("top8", "plain", 1e-5, 0)]["kl"] = [
+        [i * 5, k] for i, k in enumerate(same)]  # the part agrees: its own verdict stands
+    results["summary"] = real_lm.summarize(a, results)
+    assert said not in real_lm.report(a, results)
+
+
 def test_both_ends_gives_the_early_race_and_the_furthest_one_every_run_reached():
     a = real_lm.parse_args(["--lrs", "1e-5,3e-5,1e-4"])
     curves = {("plain", 1e-5): [1, .8, .6, .5, .45, .4, .35, .3, .3],  # 50% at 15
