@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import statistics
 from pathlib import Path
@@ -77,7 +76,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, previous_results
 from benchmarks.harness import EFFOPD, FRACTIONS, fmt_range
 from benchmarks.real_teacher import DELTA, TASK  # the teacher's task is the study's
 
@@ -463,10 +462,9 @@ def both_ends(a: argparse.Namespace, s: dict[str, Any]) -> str:
 def every_block_verdict(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
     """Where the part trained gave a different verdict from every block (item 5), the study's
     answer is the every-block study's: its verdict, read from its json, follows this one."""
-    fc, path = s.get("full_check"), Path(a.out) / f"{FULL_STEM}.json"
-    if a.stem != STEM or not fc or fc["same_verdict"] or not path.is_file():
-        return []
-    said = json.loads(path.read_text()).get("summary", {}).get("verdict")
+    fc = s.get("full_check")
+    full = previous_results(a.out, FULL_STEM) if a.stem == STEM and fc else None
+    said = full and not fc["same_verdict"] and full.get("summary", {}).get("verdict")
     return ["", f"Training the top {a.top_blocks} blocks gave a different verdict from training "
             f"every block (item 5, below), so the study's answer is the every-block study's "
             f"([{FULL_STEM}.md]({FULL_STEM}.md)): {said}"] if said else []
