@@ -68,7 +68,7 @@ SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=3
                     tie_word_embeddings=True, max_position_embeddings=2048)
 QUICK_LLAMA = dict(SMOLLM2_135M, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=4096)
-REAL_MODEL = "smollm2-135m-gguf"  # section 4's model (integrations/model_sources.py)
+REAL_MODEL = "smollm2-135m-gguf"  # section 4's model (src/lookahead_opd/integrations/model_sources.py)
 # One plain OPD step of the loop's trainer on the real model, as section 4 measures it: every
 # weight trained (no train_top_blocks), the CLI's defaults otherwise.
 OPD_STEP = dict(task="wordproblems", batch_size=4, max_new_tokens=48)

@@ -264,7 +264,7 @@ class OPDConfig(EffOPDOptions):
         from .losses import teacher_needs
 
         # A server sends log-probs, not logits; several teachers' logits are not combined
-        # (integrations/opd/routing.py).
+        # (src/lookahead_opd/integrations/opd/routing.py).
         which = "a served teacher" if self.served_teacher() else "--teachers"
         if teacher_needs(self.loss).level == "full":
             raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which "

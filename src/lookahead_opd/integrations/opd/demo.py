@@ -1,7 +1,7 @@
 """``lookahead-opd demo``: what EffOPD is for, measured — a run from a conservative learning
 rate, against plain OPD from the same lr and plain OPD at the best lr.
 
-1. Load the pair: by default the one shipped with the package (``integrations/opd/pairs``: a
+1. Load the pair: by default the one shipped with the package (``src/lookahead_opd/integrations/opd/pairs``: a
    tiny base on generated arithmetic and its Dr. GRPO teacher), the pair of
    ``benchmarks/results/lr_basin.md``'s ``short-512/rl/adamw`` cell; other ``--size`` /
    ``--teacher_regime`` / ``--seed`` values build one from scratch (minutes, then cached).
