@@ -105,8 +105,9 @@ def load_pair(student: str | Path, teacher: str | Path, device: str = "cpu") -> 
     student's), ``student``, ``teacher`` (float32, on ``device``) and ``path`` (the student's
     folder). A zoo pair adds its ``accuracies`` and ``build``; a study of another pair measures
     its own."""
-    from lookahead_opd.integrations.model_sources import resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lookahead_opd.integrations.model_sources import resolve_model
 
     def load(path: str) -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)

@@ -147,12 +147,13 @@ def _seconds(r: dict[str, Any]) -> float:
 def zoo_comparison(steps: int, chunk: int) -> dict[str, Any]:
     """An OPD run on the zoo pair with and without chunking (fp32, same seed): the per-step
     metrics, the evaluations and the gate's decisions of both."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.opd.zoo import build_pair
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pair = build_pair(progress=False)
     runs = {}

@@ -67,7 +67,6 @@ stage 2's third lr is the first to go.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import statistics
 from pathlib import Path
@@ -83,6 +82,8 @@ from benchmarks.real_teacher import DELTA, TASK  # the teacher's task is the stu
 STEM = "real_lm"
 FULL_STEM = f"{STEM}-full"  # the every-block study: item 5 showed it is the one to ask
 STUDENT = "smollm2-135m-gguf"
+TEACHER = "smollm2-135m-rl"  # the named source: STUDENT plus real_teacher.py's delta
+LEGACY_TEACHER = "smollm2-135m-gguf-rl-15c1ac6efcdd"  # its cache folder before it was one
 LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
 TOP_BLOCKS = 8  # chosen by --probe: see the module docstring
@@ -158,20 +159,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def teacher_folder(a: argparse.Namespace) -> str:
-    """``--teacher``, else the committed delta applied to the base (cached per delta digest)."""
+    """``--teacher``, else the named source ``TEACHER`` (the base plus the shipped delta)."""
     if a.teacher is not None:
         return a.teacher
     if not DELTA.is_file():
         raise SystemExit(f"real_lm: no teacher: {DELTA} is not built yet (python -m "
                          "benchmarks.real_teacher), and no --teacher FOLDER was given")
-    from lookahead_opd.integrations.model_sources import apply_delta
-    from lookahead_opd.integrations.opd.zoo import cache_root
+    from lookahead_opd.integrations.model_sources import resolve_model
 
-    digest = hashlib.sha256(DELTA.read_bytes()).hexdigest()[:12]
-    folder = cache_root() / "models" / f"{STUDENT}-rl-{digest}"
-    if not (folder / "model.safetensors").is_file():
-        apply_delta(STUDENT, DELTA, folder)
-    return str(folder)
+    return resolve_model(TEACHER)
+
+
+def same_teacher(earlier: str | None, now: str) -> bool:
+    """Whether a json's teacher is ``now``: the same string, or the folder the default teacher
+    was built into before it became a named source (``LEGACY_TEACHER``, the same weights)."""
+    return earlier in (None, now) or (Path(now).name == TEACHER
+                                      and Path(earlier).name == LEGACY_TEACHER)
 
 
 def load_pair(a: argparse.Namespace) -> dict[str, Any]:
@@ -626,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pair = load_pair(a)  # before the json changes: no teacher, one line
     old = store.old or {}
-    if old.get("teacher") not in (None, pair["teacher_name"]):
+    if not same_teacher(old.get("teacher"), pair["teacher_name"]):
         raise SystemExit(f"real_lm: the json's runs used teacher {old['teacher']}, not "
                          f"{pair['teacher_name']}; write elsewhere with --out, or --fresh")
     results["config"] = {k: v for k, v in vars(a).items()}

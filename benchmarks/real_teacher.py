@@ -59,8 +59,9 @@ from pathlib import Path
 
 BASE = "smollm2-135m-gguf"
 TASK = "wordproblems:steps=1"  # the study's task: see the module docstring
-RESULTS = Path(__file__).parent / "results" / "real_teacher"
-DELTA = RESULTS / "smollm2-135m-rl.safetensors"
+RESULTS = Path(__file__).parent / "results" / "real_teacher"  # the build's record
+# The delta ships with the package: the named source smollm2-135m-rl is the base plus it.
+DELTA = Path(__file__).resolve().parents[1] / "src/lookahead_opd/integrations/weights" / "smollm2-135m-rl.safetensors"
 logger = logging.getLogger("real_teacher")
 
 
@@ -94,11 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     args.rl_task = args.rl_task or args.task
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import torch
-    from lookahead_opd.integrations.model_sources import (
-        apply_delta,
-        resolve_model,
-        write_lora_delta,
-    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lookahead_opd.integrations.deltas import apply_delta, write_lora_delta
+    from lookahead_opd.integrations.model_sources import resolve_model
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.lora import add_lora, lora_deltas
@@ -106,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.opd.zoo import pretrain, rl_rejections, weight_distance
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = Path(args.out)
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = OPDTrainer(config, policy, frozen, rl_task,
                              HFEngine(policy, tok, batch_size=64), tokenizer=tok)
         trainer.train()
-        write_lora_delta(policy, BASE, DELTA)
+        write_lora_delta(policy, resolve_model(BASE), DELTA)
         state.update(rl_done=True, rl_steps=trainer.step, rl_seconds=trainer.train_seconds,
                      rl_wall_this_call=time.perf_counter() - start,
                      rl_evals=[[m["step"], m["eval_accuracy"]] for m in map(json.loads, (
@@ -176,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = load()
     if "teacher_accuracy" not in state:
-        teacher_dir = apply_delta(BASE, DELTA, out / "teacher")
+        teacher_dir = apply_delta(resolve_model(BASE), DELTA, out / "teacher")
         teacher = load(teacher_dir)
         state.update(base_accuracy=accuracy(base), teacher_accuracy=accuracy(teacher),
                      teacher_distance=weight_distance(teacher, base),
@@ -202,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = pretrain(sft, tok, task, steps=200, batch_size=8, lr=args.sft_lr, seed=args.seed,
                          stop=stop, eval_every=args.sft_every, progress=False, desc="sft")
         sft_delta = out / "sft.safetensors"
-        write_lora_delta(sft, BASE, sft_delta)
-        merged = load(apply_delta(BASE, sft_delta, out / "sft"))
+        write_lora_delta(sft, resolve_model(BASE), sft_delta)
+        merged = load(apply_delta(resolve_model(BASE), sft_delta, out / "sft"))
         state.update(sft_steps=steps, sft_probes=reached, sft_accuracy=reached[-1][1],
                      sft_distance=equal_accuracy_distance(reached, state["teacher_accuracy"]),
                      sft_distance_at_stop=weight_distance(merged, base),

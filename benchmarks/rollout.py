@@ -235,9 +235,10 @@ def render(res: dict[str, Any]) -> tuple[str, list[str]]:
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Build the student and both engines in this process, measure, return the results."""
     import vllm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lookahead_opd.integrations.opd.engines import HFEngine, VLLMEngine
     from lookahead_opd.integrations.opd.tasks import load_task
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()

@@ -169,9 +169,11 @@ def build_teachers(c: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any], 
     """Build (or load from the cache) every model teacher. Returns the student's path,
     name → model path (or ``None`` for ``self:solution`` and ``copy``, which are built around the
     student when used) and what was built (steps, accuracies on the way)."""
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
-    from lookahead_opd.integrations.opd.zoo import cache_root, greedy_accuracy, pretrain
     from transformers import AutoTokenizer
+
+    from lookahead_opd.integrations.model_sources import cache_root
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+    from lookahead_opd.integrations.opd.zoo import greedy_accuracy, pretrain
 
     key = hashlib.sha256(json.dumps(
         {k: c[k] for k in ("path_steps", "sharpen", "minus_steps", "zeropad_max_steps",
@@ -289,13 +291,14 @@ def _diagnostic_scores(report: Any, names: list[str]) -> dict[str, list[float | 
 
 
 def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()

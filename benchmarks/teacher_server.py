@@ -121,13 +121,14 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.parity:
         return parity(args)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.served import VLLMServer, connect
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.teacher import ModelTeacher
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     work = Path(tempfile.mkdtemp(prefix="teacher-server-"))
     if args.student and args.teacher:

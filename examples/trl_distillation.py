@@ -18,10 +18,11 @@ import sys
 
 import torch
 from datasets import Dataset
-from lookahead_opd.integrations.hf_trainer import ExtrapolationCallback
-from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import DistillationConfig, DistillationTrainer
+
+from lookahead_opd.integrations.hf_trainer import ExtrapolationCallback
+from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
 
 
 def tiny_model(tok, seed: int) -> Qwen2ForCausalLM:

@@ -151,12 +151,13 @@ def test_retention_gate_rejects_every_jump_past_the_budget():
     """``run_variant(trainer_class=...)`` trains through the subclass: under a base gate whose
     score rises at every call, jumps are kept when the held-out floor is met and none when not."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lookahead_opd.integrations.opd.compare import run_variant
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
     from lookahead_opd.integrations.opd.zoo import build_pair
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pair = build_pair(progress=False)
     tok = AutoTokenizer.from_pretrained(pair.student_path)

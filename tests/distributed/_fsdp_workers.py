@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from conftest import tiny_qwen2
-from lookahead_opd.integrations.opd.engines import Engine, Rollout, build_rollout, tokenize_prompts
 from torch import nn
+
+from lookahead_opd.integrations.opd.engines import Engine, Rollout, build_rollout, tokenize_prompts
 
 
 def tokenizer():

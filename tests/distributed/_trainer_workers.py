@@ -73,8 +73,9 @@ def trainer_worker(rank: int, tmp: str) -> dict:
     gate set (plus a rank-dependent offset, so the ranks disagree on their own), one gated by
     ``gate_dataset=`` (``trainer.evaluate`` shards the gate set over the ranks)."""
     _join_accelerate(rank)
-    from lookahead_opd.integrations.hf_trainer import ExtrapolationCallback
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from lookahead_opd.integrations.hf_trainer import ExtrapolationCallback
 
     def args(name: str) -> TrainingArguments:
         return TrainingArguments(

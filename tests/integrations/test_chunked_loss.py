@@ -9,6 +9,7 @@ import torch
 from conftest import tiny_qwen2
 from hypothesis import given
 from hypothesis import strategies as st
+
 from lookahead_opd.integrations.opd.logits import NextTokenLogits, OutputHead, model_logits
 from lookahead_opd.integrations.opd.losses import (
     TokenScores,

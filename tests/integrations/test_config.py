@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from lookahead_opd.integrations.opd.config import OPDConfig, parse_config
 
 

@@ -13,9 +13,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from lookahead_opd.integrations.opd.zoo import RL_BASE_RANGE  # noqa: E402
-
 from lookahead_opd import cli  # noqa: E402
+from lookahead_opd.integrations.opd.zoo import RL_BASE_RANGE  # noqa: E402
 
 
 def test_demo_quick_end_to_end(tmp_path, capsys, monkeypatch):

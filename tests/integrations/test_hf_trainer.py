@@ -13,12 +13,6 @@ from conftest import tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 
-from lookahead_opd.integrations.hf_trainer import (  # noqa: E402
-    STATE_NAME,
-    ExtrapolationCallback,
-    add_extrapolation,
-    gate_score,
-)
 from transformers import (  # noqa: E402
     Qwen2ForCausalLM,
     Trainer,
@@ -27,6 +21,12 @@ from transformers import (  # noqa: E402
 )
 
 from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
+from lookahead_opd.integrations.hf_trainer import (  # noqa: E402
+    STATE_NAME,
+    ExtrapolationCallback,
+    add_extrapolation,
+    gate_score,
+)
 
 VOCAB = 50
 SEQ = 8

@@ -16,9 +16,9 @@ L = pytest.importorskip("lightning.pytorch")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
-from lookahead_opd.integrations.lightning import ExtrapolationCallback  # noqa: E402
 
 from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
+from lookahead_opd.integrations.lightning import ExtrapolationCallback  # noqa: E402
 
 MICRO = 8
 ACCUMULATE = 2

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from lookahead_opd.integrations.opd import logits as logits_module
 from lookahead_opd.integrations.opd.losses import (
     LOSS_INPUTS,

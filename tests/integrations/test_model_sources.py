@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 
 from lookahead_opd.integrations import model_sources  # noqa: E402
 from lookahead_opd.integrations.cli_support import check_model_ref  # noqa: E402
-from lookahead_opd.integrations.model_sources import apply_delta, write_delta  # noqa: E402
+from lookahead_opd.integrations.deltas import apply_delta, write_delta  # noqa: E402
 
 
 def _saved(path, seed=0, bump_layer=None):
@@ -55,9 +55,10 @@ def test_named_sources_in_the_model_checks(tmp_path, monkeypatch):
 
 def test_a_lora_delta_is_two_factors_per_weight_and_rebuilds_the_adapted_model(tmp_path):
     pytest.importorskip("peft")
-    from lookahead_opd.integrations.model_sources import write_lora_delta
-    from lookahead_opd.integrations.opd.lora import add_lora
     from transformers import AutoModelForCausalLM
+
+    from lookahead_opd.integrations.deltas import write_lora_delta
+    from lookahead_opd.integrations.opd.lora import add_lora
 
     base = _saved(tmp_path / "base")
     ids = torch.randint(97, (2, 9), generator=torch.Generator().manual_seed(0))

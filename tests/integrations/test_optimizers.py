@@ -11,6 +11,7 @@ from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 
+from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
 from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
 from lookahead_opd.integrations.opd.optimizers import (  # noqa: E402
@@ -21,8 +22,6 @@ from lookahead_opd.integrations.opd.optimizers import (  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
-
-from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
 
 
 def _params():

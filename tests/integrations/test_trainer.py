@@ -11,12 +11,13 @@ from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 
+from transformers import Qwen2ForCausalLM  # noqa: E402
+
 from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
-from transformers import Qwen2ForCausalLM  # noqa: E402
 
 
 def _model(tokenizer, seed: int) -> Qwen2ForCausalLM:

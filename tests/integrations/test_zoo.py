@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lookahead_opd.integrations.opd import zoo
 from lookahead_opd.integrations.opd.tasks import load_task
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
@@ -159,8 +160,9 @@ def test_saved_tokenizer_names_a_class_every_transformers_loads(tmp_path):
     model's cache and checkpoints write ``PreTrainedTokenizerFast`` (the same class in 5.x)."""
     import json
 
-    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer, save_tokenizer
     from transformers import AutoTokenizer
+
+    from lookahead_opd.integrations.opd.tokenizer import char_tokenizer, save_tokenizer
 
     tok = char_tokenizer()
     save_tokenizer(tok, tmp_path)

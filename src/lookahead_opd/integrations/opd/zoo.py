@@ -44,10 +44,11 @@ from torch import nn
 from lookahead_opd.options import check_choice
 
 from ..cli_support import check_device
+from ..model_sources import cache_root
 from .tasks import SPLITS, Problem, Task, load_task
 from .tokenizer import char_tokenizer, save_tokenizer
 
-__all__ = ["ZOO_SIZES", "SHIPPED_PAIRS", "ZooPair", "cache_root", "context_length", "make_model", "pretrain", "greedy_accuracy",
+__all__ = ["ZOO_SIZES", "SHIPPED_PAIRS", "ZooPair", "context_length", "make_model", "pretrain", "greedy_accuracy",
            "build_pair", "remove_stale_builds", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
            "TEACHER_MIN", "RL_BASE_RANGE", "RL_MIN_GAIN", "RL_MAX_DISTANCE_RATIO", "RL_SETTINGS"]
 
@@ -106,13 +107,6 @@ class ZooPair:
         """A ``retention`` pair's retained tasks by spec (to measure what distillation costs
         them); empty for the other regimes."""
         return {spec: load_task(spec) for spec in self.meta.get("retain", [])}
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir``, else ``$LOOKAHEAD_OPD_CACHE``, else ``~/.cache/lookahead-opd``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    return Path(os.environ.get("LOOKAHEAD_OPD_CACHE", "~/.cache/lookahead-opd")).expanduser()
 
 
 def context_length(task: Task) -> int:

@@ -20,7 +20,6 @@ from typing import Any
 
 from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
 from lookahead_opd.integrations.opd.tasks import SPLITS
-
 from lookahead_opd.options import check_fields, option
 
 from .nodes import SPACINGS
@@ -130,8 +129,9 @@ def prepare(config: DiagnoseConfig):
     """Validate and check every teacher's tokenizer against the student's (tokenizers are
     cheap: all are checked before any weights load). Returns the student's tokenizer."""
     config.validate()
-    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
     from transformers import AutoTokenizer
+
+    from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
 
     from ..model_sources import resolve_model
     from .teachers import parse_teacher_spec
@@ -155,9 +155,10 @@ def run(config: DiagnoseConfig, tokenizer: Any = None):
     """``prepare`` (unless its ``tokenizer`` is given), load the student, diagnose, save.
     Returns the ``DiagnosticReport``."""
     import torch
+    from transformers import AutoModelForCausalLM
+
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import load_task
-    from transformers import AutoModelForCausalLM
 
     from ..model_sources import resolve_model
     from .diagnose import diagnose

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 import torch
+from torch import nn
+
 from lookahead_opd.integrations.opd.engines import Engine, HFEngine, Rollout, tokenize_prompts
 from lookahead_opd.integrations.opd.scoring import sequence_logits
 from lookahead_opd.integrations.opd.tasks import Problem, Task
 from lookahead_opd.integrations.opd.vocab import align_vocab, check_vocab_compatible
-from torch import nn
-
 from lookahead_opd.options import check_choice
 
 from . import scores

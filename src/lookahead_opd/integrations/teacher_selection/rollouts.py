@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from lookahead_opd.integrations.opd.engines import Engine, tokenize_prompts
 from lookahead_opd.integrations.opd.tasks import Problem, Task
 

@@ -17,9 +17,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import nn
+
 from lookahead_opd.integrations.opd.engines import tokenize_prompts
 from lookahead_opd.integrations.opd.tasks import Problem, Task
-from torch import nn
 
 __all__ = ["SELF_CONTEXTS", "TeacherSpec", "parse_teacher_spec", "context_text", "ContextTeacher"]
 
