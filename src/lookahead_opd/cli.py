@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "diagnose": ("lookahead_opd.integrations.teacher_selection.cli", "rank OPD teachers without training: the per-token gradient diagnostic"),
     "demo": ("lookahead_opd.integrations.opd.demo", "the main job: plain OPD vs EffOPD on a tiny model, measured"),
     "train": ("lookahead_opd.integrations.opd.train", "OPD / EffOPD on any Hugging Face causal LMs"),
+    "check": ("lookahead_opd.integrations.opd.check", "the preflight of a train run (same options): "
+              "tokenizers, template, teacher temperature, identity"),
     "toy": ("lookahead_opd.toy", "torch-only example: a small MLP trained plain and wrapped"),
 }
 

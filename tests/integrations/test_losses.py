@@ -517,7 +517,8 @@ def test_vocab_check_with_real_hf_objects():
 
 
 def test_registry():
-    assert set(LOSSES) == {"reverse_kl_pg", "reverse_kl", "jsd", "drgrpo"} == set(LOSS_INPUTS)
+    assert set(LOSSES) == {"reverse_kl_pg", "reverse_kl", "jsd", "drgrpo", "topk_forward_kl",
+                           "topk_reverse_kl", "topk_jsd"} == set(LOSS_INPUTS)
     assert get_loss("jsd") is generalized_jsd_loss and get_loss(" Reverse_KL ") is reverse_kl_loss
     assert get_loss("reverse_kl_pg") is reverse_kl_pg_loss
     with pytest.raises(

@@ -226,3 +226,40 @@ def test_train_top_blocks_bad_values(tmp_path, tokenizer):
         OPDConfig(train_top_blocks=-1).validate(check_paths=False)
     with pytest.raises(ValueError, match="not supported with fsdp"):
         OPDConfig(train_top_blocks=1, fsdp=True).validate(check_paths=False)
+
+
+def test_a_plain_run_needs_no_gate_split(tmp_path, tokenizer):
+    """20 GSM8K-format problems hash into train and test only: a plain run trains on them, and
+    an EffOPD run, which needs a gate set, stops in one line naming the fix."""
+    pytest.importorskip("datasets")
+    from lookahead_opd.integrations.opd.tasks import load_task
+
+    path = tmp_path / "mini.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i} + {i}?",
+                                        "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"}) + "\n"
+                            for i in range(20)))
+    task = load_task(f"gsm8k:path={path}")
+    assert not task.all_problems("gate") and task.all_problems("test")
+
+    def trainer(**options) -> OPDTrainer:
+        student = tiny_qwen2(len(tokenizer), 0, tokenizer=tokenizer, max_position_embeddings=128)
+        teacher = tiny_qwen2(len(tokenizer), 1, tokenizer=tokenizer, max_position_embeddings=128)
+        defaults = dict(output_dir=str(tmp_path / "run"), batch_size=4, max_steps=2,
+                        learning_rate=1e-2, max_new_tokens=4, eval_every=0,
+                        eval_size=len(task.all_problems("test")), progress=False)
+        config = OPDConfig(**{**defaults, **options})
+        return OPDTrainer(config, student, teacher, task, HFEngine(student, tokenizer),
+                          tokenizer=tokenizer)
+
+    t = trainer()  # --gate_size keeps its default, 50
+    assert len(t.train().metrics) == 3  # step 0's eval and 2 steps
+    no_gate = "no gate problems for --gate_size 50; give the task more problems or --gate none"
+    for gate in ("accuracy", "neg_kl"):
+        with pytest.raises(ValueError, match=no_gate) as err:
+            trainer(extrapolate=True, gate=gate)
+        assert "\n" not in str(err.value)
+    trainer(extrapolate=True, gate="none").train()  # the ungated jump: no gate set either
+    with pytest.raises(ValueError, match=no_gate):  # a KL probe of the plain run asks for one
+        t.gate_reverse_kl()
+    with pytest.raises(ValueError, match=r"--eval_size 200 exceeds the \d+ test problems"):
+        trainer(eval_size=200)

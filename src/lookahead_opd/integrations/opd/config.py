@@ -27,7 +27,7 @@ from lookahead_opd.options import (
 from lookahead_opd.selection import PARAM_SELECTORS
 
 from ..cli_support import check_device, check_model_ref, check_output_dir
-from .losses import LOSSES
+from .losses import DEFAULT_TOPK, LOSSES
 
 __all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "with_defaults"]
 
@@ -97,8 +97,15 @@ class OPDConfig(EffOPDOptions):
                                     choices=(None, *DTYPES))
     # loss
     loss: str = option("reverse_kl_pg", "distillation loss (drgrpo: RL on the task's exact-match "
-                       "reward, group-mean baseline; needs num_samples >= 2)", choices=tuple(LOSSES))
-    jsd_beta: float = option(0.5, "jsd loss: 0 = forward KL, 1 = reverse KL (TRL convention)")
+                       "reward, group-mean baseline; needs num_samples >= 2; topk_*: over the "
+                       "teacher's --topk tokens and one tail bucket, which a served teacher "
+                       "gives)", choices=tuple(LOSSES))
+    jsd_beta: float = option(0.5, "jsd and topk_jsd losses: 0 = forward KL, 1 = reverse KL (TRL "
+                             "convention)")
+    topk: int = option(DEFAULT_TOPK, "topk_* losses, and the -KL gate of a served teacher: the "
+                       "teacher's k most likely tokens read at each position, the rest of the "
+                       "vocabulary one tail bucket (a served teacher's --max-logprobs must "
+                       "allow k)", minimum=1)
     discount: float = option(0.0, "reverse_kl_pg: discount of later tokens' advantages")
     loss_chunk_size: int | None = option(
         None, "completion tokens per lm_head projection in the loss (from the final hidden "
@@ -161,6 +168,14 @@ class OPDConfig(EffOPDOptions):
     progress: bool = option(True, "show progress bars",
                             negated_help="no progress bars (training, and model loading and "
                                          "writing)")
+    # preflight (`lookahead-opd check`, and `train` before step 0; preflight.py)
+    allow_template_mismatch: bool = option(False, "train although the student's and the "
+                                           "teacher's chat templates or special tokens differ "
+                                           "(the teacher then scores prompts rendered in the "
+                                           "student's format)")
+    preflight_rollouts: bool = option(False, "also run the preflight checks that sample a few "
+                                      "rollouts: student-as-teacher gives a zero loss and gate, "
+                                      "and the teacher's top-k mass for top-k losses")
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded."""
@@ -232,9 +247,24 @@ class OPDConfig(EffOPDOptions):
             return refs
         return {None: list(self.teacher_url) if self.teacher_url else self.teacher}
 
+    def gated(self) -> bool:
+        """Whether the run scores a gate set (``extrapolate`` with a gate other than
+        ``none``): only then are the task's gate problems built, and needed."""
+        return self.extrapolate and self.gate != "none"
+
     def served_teacher(self) -> bool:
-        """Whether any teacher is behind a server (so only sampled-token scores exist)."""
+        """Whether any teacher is behind a server (so only sampled-token and top-k scores
+        exist)."""
         return any(isinstance(r, list) for r in self.teacher_refs().values())
+
+    def teacher_top_k(self) -> int:
+        """The most log-probs per position a served teacher is asked for (0: the sampled
+        token's only), which its ``--max-logprobs`` must allow: the loss's top-k, and the −KL
+        gate's, which reads the top-k of a teacher that gives no more."""
+        from .losses import teacher_needs
+
+        gate = self.topk if self.extrapolate and self.gate == "neg_kl" else 0
+        return max(teacher_needs(self.loss, self).k, gate)
 
     def _check_teachers(self) -> None:
         """One way to name the teacher(s), and what a served one cannot do, in one line each."""
@@ -263,16 +293,20 @@ class OPDConfig(EffOPDOptions):
             return
         from .losses import teacher_needs
 
-        # A server sends log-probs, not logits; several teachers' logits are not combined
-        # (src/lookahead_opd/integrations/opd/routing.py).
+        # A server sends log-probs (the sampled tokens' or the top-k), not logits; several
+        # teachers' logits are not combined (src/lookahead_opd/integrations/opd/routing.py).
         which = "a served teacher" if self.served_teacher() else "--teachers"
         if teacher_needs(self.loss).level == "full":
             raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which "
                              f"{which} does not give; use --loss reverse_kl_pg (the sampled "
-                             f"tokens' log-probs) or one in-process --teacher")
-        if self.extrapolate and self.gate == "neg_kl":
-            raise ValueError(f"gate=neg_kl needs the teacher's full distribution, which {which} "
-                             f"does not give; use --gate accuracy (or one in-process --teacher)")
+                             f"tokens' log-probs), a topk_* loss (the top-k) or one in-process "
+                             f"--teacher")
+        # One served teacher scores the gate by its top-k (OPDTrainer.gate_reverse_kl); the
+        # gate rollouts are not routed over several teachers.
+        if self.teachers and self.extrapolate and self.gate == "neg_kl":
+            raise ValueError("gate=neg_kl scores the gate rollouts with one teacher, and "
+                             "--teachers gives several; use --gate accuracy (or one --teacher "
+                             "or --teacher_url)")
         if self.fsdp and self.fsdp_teacher == "shard":
             raise ValueError("fsdp_teacher=shard shards an in-process teacher; a served teacher "
                              "has none to shard")
@@ -323,9 +357,10 @@ def with_defaults(cls: type, **defaults: Any) -> type:
     return sub
 
 
-def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None) -> OPDConfig:
+def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None,
+                 prog: str = "lookahead-opd train") -> OPDConfig:
     """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win);
-    ``epilog`` ends ``--help``."""
+    ``epilog`` ends ``--help``; ``prog`` is the command (``train``, ``check``)."""
     args = list(argv or [])
     base: dict[str, Any] = {}
     if "--config" in args:
@@ -334,7 +369,7 @@ def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None
             raise ValueError("--config needs a file path")
         base = _read_config_file(args[i + 1])
         del args[i : i + 2]
-    return parse_dataclass(OPDConfig, args, prog="lookahead-opd train",
+    return parse_dataclass(OPDConfig, args, prog=prog,
                            defaults=dataclasses.asdict(OPDConfig(**base)), epilog=epilog)
 
 

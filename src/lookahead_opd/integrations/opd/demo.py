@@ -62,14 +62,15 @@ class DemoConfig(_DemoDefaults):
     the target. The demo sets ``student``, ``teacher`` (the pair), ``extrapolate``,
     ``lr_follow`` and ``stop_at_accuracy`` (per run) and each run's ``output_dir`` (under this
     one) itself, so those get no flag; it runs in one process, so neither do the FSDP
-    options."""
+    options, and its shipped pair needs no preflight (``lookahead-opd check``)."""
 
     CLI_HIDDEN: ClassVar[tuple[str, ...]] = ("student", "teacher", "extrapolate", "resume",
                                              "overwrite_output_dir", "fsdp", "fsdp_teacher",
                                              "fsdp_mixed_precision", "teacher_url", "teachers",
                                              "teacher_key", "default_teacher",
                                              "teacher_max_inflight", "teacher_timeout",
-                                             "teacher_retries", "lr_follow", "stop_at_accuracy")
+                                             "teacher_retries", "lr_follow", "stop_at_accuracy",
+                                             "allow_template_mismatch", "preflight_rollouts")
 
     cache_dir: str | None = option(None, "model cache (default $LOOKAHEAD_OPD_CACHE or "
                                    "~/.cache/lookahead-opd); the shipped pair needs none")

@@ -236,18 +236,19 @@ def map_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], logits: Sequence
 
 
 def sum_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], logits: Sequence[NextTokenLogits],
-                   mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``fn(*logits_of_each_source)`` (a tuple of sums over the chunk's rows; the first carries
-    the gradient, the others are metrics) summed over the chunks of the ``mask``ed rows, as
-    ``map_row_chunks`` takes them. Where the first source has a head and grad is enabled, the
-    first sum's gradient with respect to the rows and the head's weight and bias is computed
-    chunk by chunk in the forward (``_SumsWithGradient``): each chunk's (chunk × vocab) tensors
-    are freed before the next one, and the backward only scales the stored gradients, so no
-    projection is recomputed."""
+                   mask: torch.Tensor, *per_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*logits_of_each_source, *per_token_values)`` (a tuple of sums over the chunk's rows;
+    the first carries the gradient, the others are metrics) summed over the chunks of the
+    ``mask``ed rows, as ``map_row_chunks`` takes them (``per_token``: ``[B, T, ...]`` values
+    without gradient, e.g. a teacher's top-k, cut to the same rows). Where the first source has
+    a head and grad is enabled, the first sum's gradient with respect to the rows and the
+    head's weight and bias is computed chunk by chunk in the forward (``_SumsWithGradient``):
+    each chunk's (chunk × vocab) tensors are freed before the next one, and the backward only
+    scales the stored gradients, so no projection is recomputed."""
     student = logits[0]
     head = student.head
     if head is None or not torch.is_grad_enabled():
-        chunks = map_row_chunks(fn, logits, mask)
+        chunks = map_row_chunks(fn, logits, mask, *per_token)
         totals = chunks[0]
         for more in chunks[1:]:
             totals = tuple(a + b for a, b in zip(totals, more, strict=True))
@@ -255,7 +256,9 @@ def sum_row_chunks(fn: Callable[..., tuple[torch.Tensor, ...]], logits: Sequence
     rows = student.states[mask]
     others = [x.detach() for x in logits[1:]]
     params = [head.weight] + ([] if head.bias is None else [head.bias])
-    return _SumsWithGradient.apply(fn, head, others, mask, student.chunk_size, rows, *params)
+    extra = [v.detach() for v in per_token]
+    return _SumsWithGradient.apply(fn, head, others, extra, mask, student.chunk_size, rows,
+                                   *params)
 
 
 class _SumsWithGradient(torch.autograd.Function):
@@ -265,17 +268,18 @@ class _SumsWithGradient(torch.autograd.Function):
     buffers the size of the rows and of the head."""
 
     @staticmethod
-    def forward(ctx, fn, head, others, mask, chunk_size, rows, weight, bias=None):
+    def forward(ctx, fn, head, others, extra, mask, chunk_size, rows, weight, bias=None):
         n, vocab = rows.shape[0], head.vocab_size
         other_rows = [x.states[mask] for x in others]
-        grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[5] else None
+        extra_rows = [v[mask] for v in extra]
+        grad_rows = torch.zeros_like(rows) if ctx.needs_input_grad[6] else None
         # Accumulated over the chunks in fp32 (a bf16 head's gradient is rounded once, at the
         # end, as one dense matmul's would be).
         acc = compute_dtype(weight.dtype)
-        grad_weight = (torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[6]
+        grad_weight = (torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[7]
                        else None)
         grad_bias = (torch.zeros_like(bias, dtype=acc)
-                     if bias is not None and ctx.needs_input_grad[7] else None)
+                     if bias is not None and ctx.needs_input_grad[8] else None)
         step = chunk_size or max(n, 1)
         totals = None
         for start in range(0, max(n, 1), step):
@@ -283,7 +287,8 @@ class _SumsWithGradient(torch.autograd.Function):
             with torch.enable_grad():
                 z = head.linear(h).detach().requires_grad_(True)
                 outs = fn(head.transform(z), *[x.project(r[start:start + step])
-                                               for x, r in zip(others, other_rows, strict=True)])
+                                               for x, r in zip(others, other_rows, strict=True)],
+                          *[r[start:start + step] for r in extra_rows])
                 (dz,) = torch.autograd.grad(outs[0], z)
             if grad_rows is not None:
                 grad_rows[start:start + step] = (dz @ weight[:vocab]).to(rows.dtype)
@@ -304,7 +309,7 @@ class _SumsWithGradient(torch.autograd.Function):
         grads = tuple(None if g is None else g.mul_(grad_sum.to(g.dtype)).to(dtype)
                       for g, dtype in zip(ctx.grads, ctx.dtypes, strict=True))
         ctx.grads = None
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, None, *grads)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Losses for on-policy distillation (OPD): per-token reverse-KL policy gradient and full-vocab KLs.
+"""Losses for on-policy distillation (OPD): per-token reverse-KL policy gradient, full-vocab KLs,
+and KLs over the teacher's top-k tokens plus one tail bucket.
 
 Conventions (shared by every loss here):
 
@@ -33,6 +34,7 @@ from .logits import NextTokenLogits, compute_dtype, sum_row_chunks, token_logpro
 from .teacher import TeacherNeeds, TeacherScores
 
 __all__ = [
+    "DEFAULT_TOPK",
     "LOSSES",
     "LOSS_INPUTS",
     "LossInputs",
@@ -49,6 +51,9 @@ __all__ = [
     "shift_for_next_token",
     "teacher_needs",
     "token_logprobs",
+    "topk_forward_kl_loss",
+    "topk_jsd_loss",
+    "topk_reverse_kl_loss",
 ]
 
 # Stand-in for log(0) inside KL sums: keeps 0·log 0 = 0 and gradients finite when logits hold -inf.
@@ -490,6 +495,133 @@ def _jsd_sums(ls: torch.Tensor, lt: torch.Tensor, *, beta: float
 
 
 # ---------------------------------------------------------------------------------------------
+# top-k losses: the teacher's k most likely tokens and one tail bucket
+# ---------------------------------------------------------------------------------------------
+
+# The top-k losses' default k: vLLM's default --max-logprobs, so a served teacher needs no flag.
+DEFAULT_TOPK = 20
+# The lightest tail bucket told apart from 0. A teacher's tail is 1 − Σ of its k probabilities,
+# and below fp32's rounding of a sum near 1 that difference is noise (a served teacher's k
+# log-probs may even sum past 1); both tails are floored here, so at k = V they cancel.
+_MIN_TAIL = torch.finfo(torch.float32).eps
+_LOG_MIN_TAIL, _LOG_MAX_TOP = math.log(_MIN_TAIL), math.log1p(-_MIN_TAIL)
+_LOG_HALF = math.log(0.5)
+
+
+def _log1mexp(a: torch.Tensor) -> torch.Tensor:
+    """``log(1 − exp(a))`` for ``a < 0``, accurate on both sides of ``log ½`` (Mächler 2012)."""
+    return torch.where(a > _LOG_HALF, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(a)))
+
+
+def _bucketed(logits: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student and teacher log-probs ``[n, k+1]`` over the teacher's top-k tokens plus one
+    bucket for the rest of the vocabulary (the last column)."""
+    ls = torch.log_softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
+    ids = top_ids.long()
+    ls_top = ls.gather(-1, ids)
+    # The student's tail from its own logits (every other token's mass) rather than 1 − Σ:
+    # exact where its top-k holds nearly everything, and a finite gradient even at k = V
+    # (the top-k set to a large finite log-prob, not -inf, whose logsumexp has a NaN gradient).
+    ls_tail = torch.logsumexp(ls.scatter(-1, ids, _LOG_FLOOR), dim=-1, keepdim=True)
+    lt_top = top_lp.to(ls.dtype)
+    lt_mass = torch.logsumexp(lt_top, dim=-1, keepdim=True)
+    lt_tail = _log1mexp(lt_mass.clamp(max=_LOG_MAX_TOP))
+    return (torch.cat([ls_top, ls_tail.clamp(min=_LOG_MIN_TAIL)], dim=-1),
+            torch.cat([lt_top, lt_tail], dim=-1))
+
+
+def _topk_sums(logits: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor, *,
+               beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Σ rows of the bucketed JSD(β) (with grad), of the bucketed reverse KL, and of the
+    teacher's tail mass."""
+    ls, lt = _bucketed(logits, top_lp, top_ids)
+    loss, rkl = _jsd_sums(ls, lt, beta=beta)
+    return loss, rkl, lt[:, -1].detach().exp().sum()
+
+
+def _check_topk(teacher_topk: Any, shape: torch.Size, vocab_size: int, k: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's ``(log-probs, ids)`` ``[B, T, k']``, cut to their first ``k`` columns."""
+    if not isinstance(teacher_topk, tuple | list) or len(teacher_topk) != 2:
+        raise TypeError("teacher_topk must be a pair (log-probs, token ids), each [B, T, k]")
+    lp, ids = teacher_topk
+    if lp.dim() != 3 or lp.shape[:2] != shape or ids.shape != lp.shape:
+        raise ValueError(f"teacher_topk must be two [B, T, k] tensors with [B, T] = "
+                         f"{tuple(shape)}, got {tuple(lp.shape)} and {tuple(ids.shape)}")
+    if ids.dtype not in _INT_DTYPES:
+        raise TypeError(f"the teacher's top-k token ids must be integers, got {ids.dtype}")
+    given = lp.shape[-1]
+    if k is not None and not 1 <= k <= given:
+        raise ValueError(f"k must be in [1, {given}] (the teacher gave {given} log-probs per "
+                         f"position), got {k!r}")
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.numel():  # a gather would fail on it (on a GPU, as a device-side assert)
+        raise ValueError(f"the teacher's top-k holds token id {int(bad[0])}, outside the "
+                         f"shared vocabulary of {vocab_size}; the teacher must share the "
+                         f"student's vocabulary")
+    return (lp, ids) if k is None else (lp[..., :k], ids[..., :k])
+
+
+def topk_jsd_loss(
+    student_logits: Logits,
+    teacher_topk: tuple[torch.Tensor, torch.Tensor],
+    completion_mask: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    k: int | None = None,
+    num_tokens: NumTokens = None,
+) -> LossOutput:
+    """:func:`generalized_jsd_loss` over k + 1 outcomes: the teacher's top-k tokens at each
+    position and one tail bucket holding the mass outside them, for both models.
+
+    ``teacher_topk`` is the teacher's top-k ``(log-probs, token ids)`` ``[B, T, k']`` (a
+    served teacher's ``prompt_logprobs=k``, or ``ModelTeacher``'s); ``k`` keeps their first k
+    (None: all). The student's log-probs are gathered at those ids. Biased low: merging the
+    tail makes this a lower bound of the full divergence (data processing), and the gradient
+    ignores how the student spreads its mass inside the tail. Each tail is floored at fp32's
+    epsilon. Metrics: ``topk_reverse_kl`` (the bucketed reverse KL), ``teacher_tail`` (the
+    teacher's mean mass outside its top-k), ``num_tokens``.
+    """
+    if isinstance(beta, bool) or not isinstance(beta, int | float) or not 0.0 <= beta <= 1.0:
+        raise ValueError(
+            f"beta must be a float in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}"
+        )
+    student = _as_logits("student_logits", student_logits)
+    mask = _check_mask(completion_mask, student.states.shape[:2])
+    top_lp, top_ids = _check_topk(teacher_topk, mask.shape, student.vocab_size, k)
+    denom = _resolve_num_tokens(num_tokens, mask)
+
+    kernel = functools.partial(_topk_sums, beta=beta)
+    loss_sum, rkl_sum, tail_sum = sum_row_chunks(kernel, [student], mask, top_lp.detach(),
+                                                 top_ids)
+    with torch.no_grad():
+        n_local = mask.sum()
+        n = n_local.clamp(min=1)
+        metrics = _metrics(topk_reverse_kl=rkl_sum / n, teacher_tail=tail_sum / n,
+                           num_tokens=n_local)
+    return LossOutput(loss=loss_sum / denom, metrics=metrics)
+
+
+def topk_forward_kl_loss(student_logits: Logits, teacher_topk: tuple[torch.Tensor, torch.Tensor],
+                         completion_mask: torch.Tensor, *, k: int | None = None,
+                         num_tokens: NumTokens = None) -> LossOutput:
+    """KL(teacher ‖ student) over the teacher's top-k and a tail bucket (:func:`topk_jsd_loss`
+    at ``beta=0``)."""
+    return topk_jsd_loss(student_logits, teacher_topk, completion_mask, beta=0.0, k=k,
+                         num_tokens=num_tokens)
+
+
+def topk_reverse_kl_loss(student_logits: Logits, teacher_topk: tuple[torch.Tensor, torch.Tensor],
+                         completion_mask: torch.Tensor, *, k: int | None = None,
+                         num_tokens: NumTokens = None) -> LossOutput:
+    """KL(student ‖ teacher) over the teacher's top-k and a tail bucket (:func:`topk_jsd_loss`
+    at ``beta=1``); the −KL gate's score with a teacher that gives its top-k only."""
+    return topk_jsd_loss(student_logits, teacher_topk, completion_mask, beta=1.0, k=k,
+                         num_tokens=num_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------
 
@@ -532,6 +664,10 @@ class TokenScores:
         """Both models' full next-token logits (dense ``[B, T, V]`` or hidden states + head)."""
         return self.student, self.teacher.full()
 
+    def topk(self) -> tuple[NextTokenLogits, tuple[torch.Tensor, torch.Tensor]]:
+        """The student's next-token logits and the teacher's top-k (log-probs, token ids)."""
+        return self.student, self.teacher.top()
+
     def logprobs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Both models' log-probs of the sampled tokens ``[B, T]``."""
         return self._logprobs("student"), self._logprobs("teacher")
@@ -563,14 +699,19 @@ class LossInputs:
 
 
 # Every loss by its config name, with what it consumes: per-token log-probs [B, T] or full
-# next-token logits (dense or chunked) of both models, or the task's rewards (the RL baseline: the teacher is then
-# only measured, never learned from).
-_SAMPLED, _FULL = TeacherNeeds.SAMPLED, TeacherNeeds.FULL
+# next-token logits (dense or chunked) of both models, the student's logits and the teacher's
+# top-k, or the task's rewards (the RL baseline: the teacher is then only measured, never
+# learned from). A top-k loss's option "k" is also what it asks the teacher for (teacher_needs).
+_SAMPLED, _FULL, _TOPK = TeacherNeeds.SAMPLED, TeacherNeeds.FULL, TeacherNeeds.topk(DEFAULT_TOPK)
 _REGISTRY: dict[str, tuple[Callable[..., LossOutput], LossInputs]] = {
     "reverse_kl_pg": (reverse_kl_pg_loss,
                       LossInputs(TokenScores.logprobs, _SAMPLED, {"discount": "discount"})),
     "reverse_kl": (reverse_kl_loss, LossInputs(TokenScores.logits, _FULL)),
     "jsd": (generalized_jsd_loss, LossInputs(TokenScores.logits, _FULL, {"beta": "jsd_beta"})),
+    "topk_forward_kl": (topk_forward_kl_loss, LossInputs(TokenScores.topk, _TOPK, {"k": "topk"})),
+    "topk_reverse_kl": (topk_reverse_kl_loss, LossInputs(TokenScores.topk, _TOPK, {"k": "topk"})),
+    "topk_jsd": (topk_jsd_loss, LossInputs(TokenScores.topk, _TOPK,
+                                           {"beta": "jsd_beta", "k": "topk"})),
     "drgrpo": (policy_gradient_loss, LossInputs(TokenScores.rewards, _SAMPLED)),
 }
 LOSSES: dict[str, Callable[..., LossOutput]] = {k: fn for k, (fn, _) in _REGISTRY.items()}
@@ -580,8 +721,9 @@ LOSS_INPUTS: dict[str, LossInputs] = {k: inputs for k, (_, inputs) in _REGISTRY.
 def compute_loss(name: str, scores: TokenScores, *, num_tokens: NumTokens = None,
                  config: Any = None) -> LossOutput:
     """The loss ``name`` of ``scores``, its options read from ``config`` (an ``OPDConfig``;
-    None: the loss's defaults). Every loss reports ``reverse_kl``: one that does not learn
-    from the teacher gets the sampled-token estimate, measured without gradient."""
+    None: the loss's defaults). Every loss reports ``reverse_kl``: one that does not compute
+    it (the RL baseline, the top-k losses) gets the sampled-token estimate, measured without
+    gradient."""
     key = _loss_key(name)
     spec = LOSS_INPUTS[key]
     options = {} if config is None else {k: getattr(config, v) for k, v in spec.options.items()}
@@ -592,9 +734,13 @@ def compute_loss(name: str, scores: TokenScores, *, num_tokens: NumTokens = None
     return out
 
 
-def teacher_needs(name: str) -> TeacherNeeds:
-    """What the loss ``name`` reads from the teacher (``LossInputs.teacher``)."""
-    return LOSS_INPUTS[_loss_key(name)].teacher
+def teacher_needs(name: str, config: Any = None) -> TeacherNeeds:
+    """What the loss ``name`` reads from the teacher (``LossInputs.teacher``); a top-k loss
+    asks for the ``k`` its option names in ``config`` (None: ``DEFAULT_TOPK``)."""
+    spec = LOSS_INPUTS[_loss_key(name)]
+    if spec.teacher.level == "topk" and config is not None:
+        return TeacherNeeds.topk(getattr(config, spec.options["k"]))
+    return spec.teacher
 
 
 def get_loss(name: str) -> Callable[..., LossOutput]:

@@ -4,7 +4,8 @@ Each loss declares what it reads from the teacher (``TeacherNeeds``, cheapest fi
 
 - ``TeacherNeeds.SAMPLED``: the log-prob of each sampled token (``reverse_kl_pg``, ``drgrpo``'s
   reverse-KL metric) — what an inference server returns as prompt log-probs;
-- ``TeacherNeeds.topk(k)``: the ``k`` largest log-probs at each position and their token ids;
+- ``TeacherNeeds.topk(k)``: the ``k`` largest log-probs at each position and their token ids
+  (the ``topk_*`` losses; the −KL gate of a teacher that gives no more, e.g. a served one);
 - ``TeacherNeeds.FULL``: the whole next-token distribution (``reverse_kl``, ``jsd``, the −KL
   gate) as ``NextTokenLogits``: dense logits, or final hidden states and the output head that
   a loss projects a chunk of rows at a time, so no (tokens × vocab) tensor need exist.
@@ -108,6 +109,13 @@ class TeacherScores:
             raise ValueError("this loss reads the teacher's full distribution, which this "
                              "teacher did not give (see TeacherNeeds)")
         return self.logits
+
+    def top(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k log-probs and their token ids, each ``[B, T-1, k]``."""
+        if self.topk_logprobs is None or self.topk_ids is None:
+            raise ValueError("this loss reads the teacher's top-k log-probs, which this "
+                             "teacher did not give (see TeacherNeeds)")
+        return self.topk_logprobs, self.topk_ids
 
 
 class Teacher(ABC):

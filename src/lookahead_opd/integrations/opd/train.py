@@ -6,18 +6,19 @@
 Every option is a field of ``OPDConfig``; ``--config run.yaml`` fills them from a file.
 Under ``torchrun --nproc-per-node N`` the ranks split each step's prompts, the gate and the
 eval set, and stay identical. A local start, on the models ``lookahead-opd demo`` exports, is
-``LOCAL_START`` (the end of ``--help``).
+``LOCAL_START`` (the end of ``--help``). Before step 0 it runs the preflight checks of
+``lookahead-opd check`` (``preflight.py``); a fault stops it in one line naming the fix.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..cli_support import quiet_loading_bars
 from .config import OPDConfig, parse_config
 
-__all__ = ["build_trainer", "main", "LOCAL_START"]
+__all__ = ["build_trainer", "setup_run", "main", "LOCAL_START"]
 
 # Measured in benchmarks/results/local_start.md, on the demo's shipped pair. The paper's defaults
 # (reverse_kl_pg, lr 1e-6) barely move this tiny student; the full-vocabulary KL at lr 1e-3 does.
@@ -82,13 +83,12 @@ def _served_teacher(config: OPDConfig, tokenizer, task):
     on this run's prompts; otherwise None."""
     if not config.teacher_url:
         return None
-    from .losses import teacher_needs
     from .served import connect
 
     problems = task.problems("train", seed=config.seed)
     return connect(config.teacher_url, config, tokenizer, [p.prompt for p in problems],
                    config.max_new_tokens or task.max_new_tokens,
-                   top_k=teacher_needs(config.loss).k)
+                   top_k=config.teacher_top_k())
 
 
 def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
@@ -97,7 +97,6 @@ def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
     from transformers import AutoModelForCausalLM
 
     from ..model_sources import resolve_model
-    from .losses import teacher_needs
     from .routing import TeacherRouter, teacher_names
     from .served import connect
     from .teacher import ModelTeacher
@@ -105,7 +104,8 @@ def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
 
     refs = config.teacher_refs()
     splits = {"training": task.problems("train", seed=config.seed),
-              "gate": task.problems("gate", config.gate_size, seed=config.seed),
+              "gate": (task.problems("gate", config.gate_size, seed=config.seed)
+                       if config.gated() else []),
               "eval": task.problems("test", config.eval_size, seed=config.seed)}
     for split, problems in splits.items():
         teacher_names(problems, config.teacher_key, list(refs), config.default_teacher,
@@ -113,7 +113,7 @@ def _teacher_router(config: OPDConfig, tokenizer, task, student, dtype):
     prompts = [p.prompt for p in splits["training"]]
     max_new = config.max_new_tokens or task.max_new_tokens
     teachers = {name: connect(ref, config, tokenizer, prompts, max_new,
-                              top_k=teacher_needs(config.loss).k)
+                              top_k=config.teacher_top_k())
                 for name, ref in refs.items() if isinstance(ref, list)}
     for name, ref in refs.items():
         if not isinstance(ref, list):
@@ -146,26 +146,48 @@ def _init_distributed(config: OPDConfig) -> None:
         dist.init_process_group("gloo")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    try:  # bad input: one clear line and status 2, before any model loads where it can be
-        config = parse_config(argv, epilog=LOCAL_START)
-        config.validate()  # before the process settings below and any model
-        if config.threads is not None:  # the command's choice, for the whole process
-            import torch
+def setup_run(argv: Sequence[str] | None, prog: str, *, epilog: str | None = LOCAL_START,
+              adjust: Callable[[OPDConfig], None] | None = None):
+    """What ``train`` and ``check`` do before step 0: parse and validate the command line
+    (``adjust`` may then change the config), apply its process settings, build the trainer
+    and run the preflight on it (``preflight.py``). Returns ``(config, trainer, findings)``;
+    bad input raises ``ValueError``, before any model loads where it can."""
+    from .preflight import load_teacher_tokenizers, run_preflight
 
-            torch.set_num_threads(config.threads)
-        if not config.progress:
-            quiet_loading_bars()
-        trainer = build_trainer(config, validate=False)
-    except ValueError as err:
-        print(f"lookahead-opd train: {err}", file=sys.stderr)
-        return 2
+    config = parse_config(argv, epilog=epilog, prog=prog)
+    config.validate()  # before the process settings below and any model
+    if adjust is not None:
+        adjust(config)
+    if config.threads is not None:  # the command's choice, for the whole process
+        import torch
+
+        torch.set_num_threads(config.threads)
+    if not config.progress:
+        quiet_loading_bars()
+    trainer = build_trainer(config, validate=False)
+    findings = run_preflight(trainer, teacher_tokenizers=load_teacher_tokenizers(config))
+    return config, trainer, findings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .preflight import report
     from .served import TeacherServerError
 
+    prog = "lookahead-opd train"
+    try:  # bad input: one clear line and status 2, before any model loads where it can be
+        config, trainer, findings = setup_run(argv, prog)
+    except ValueError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 2
+    except TeacherServerError as err:  # a served teacher failed the preflight's scoring
+        print(f"{prog}: {err}", file=sys.stderr)
+        return 1
+    if report(findings, prog, show_ok=False, enabled=trainer.rank == 0):
+        return 2  # each fault was one line naming its fix
     try:
         result = trainer.train()  # any other failure while training keeps its traceback
     except TeacherServerError as err:  # already one line naming the server and the step
-        print(f"lookahead-opd train: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     final = result.evals[-1][1] if result.evals else float("nan")
     if trainer.rank == 0:

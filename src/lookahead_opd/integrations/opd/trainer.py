@@ -48,7 +48,13 @@ from .checkpoint import (
 from .config import OPDConfig
 from .engines import Engine, Rollout
 from .logits import model_logits
-from .losses import compute_loss, group_advantages, reverse_kl_loss, teacher_needs
+from .losses import (
+    compute_loss,
+    group_advantages,
+    reverse_kl_loss,
+    teacher_needs,
+    topk_reverse_kl_loss,
+)
 from .metrics import MetricsLog
 from .optimizers import OptimizerFactory, build_optimizer, optimizer_kwargs
 from .ranks import Ranks
@@ -118,8 +124,13 @@ class OPDTrainer:
                              f"training problems of task {task.name!r}")
         self.ranks = Ranks.current()
         self.rank, self.world = self.ranks.rank, self.ranks.world
-        self.gate_problems = self.ranks.shard(task.problems("gate", config.gate_size, seed=config.seed))
-        self.eval_problems = self.ranks.shard(task.problems("test", config.eval_size, seed=config.seed))
+        # The gate set now where there is a gate (a too-small gate split fails before any
+        # compute), else at first use (``gate_problems``): a plain run needs no gate split.
+        self._gate_problems: list[Problem] | None = None
+        if config.gated():
+            self._gate_problems = self.gate_problems
+        self.eval_problems = self.ranks.shard(_sample(task, "test", config.eval_size, config.seed,
+                                                      "--eval_size"))
         if config.fsdp:
             self._check_fsdp()
         self.ranks.broadcast_weights(student)
@@ -136,6 +147,7 @@ class OPDTrainer:
         # Rows per lm_head projection in the loss and the gate (0: dense logits), decided once
         # from the largest micro-batch (or gate set) a rank can have, so every micro-batch and
         # every rank agrees (under FSDP a chunked forward gathers the lm_head: a collective).
+        # gate_size counts even without a gate, so plain and EffOPD runs chunk alike.
         rows = max(-(-config.batch_size * config.num_samples
                      // (self.world * config.gradient_accumulation_steps)),
                    -(-config.gate_size // self.world))
@@ -144,16 +156,21 @@ class OPDTrainer:
         self.teacher_scorer: Teacher = (
             teacher if isinstance(teacher, Teacher)
             else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
-        self.teacher_scorer.check(teacher_needs(config.loss), f"--loss {config.loss}")
+        needs = teacher_needs(config.loss, config)
+        if needs.k > self.vocab_size:
+            raise ValueError(f"--topk {needs.k} exceeds the shared vocabulary of "
+                             f"{self.vocab_size} tokens; give --topk {self.vocab_size} or less")
+        self.teacher_scorer.check(needs, f"--loss {config.loss}")
         # Several teachers: every problem's teacher is known before step 0 (one line if not).
         self.router = teacher if isinstance(teacher, TeacherRouter) else None
         self._row_teachers: list[str] = []
         if self.router is not None:
-            for split, problems in (("training", self.train_problems), ("gate", self.gate_problems),
+            for split, problems in (("training", self.train_problems),
+                                    ("gate", self._gate_problems or []),
                                     ("eval", self.eval_problems)):
                 self.router.names(problems, what=f"{split} problems")
         if config.extrapolate and config.gate == "neg_kl":
-            self.teacher_scorer.check(TeacherNeeds.FULL, "--gate neg_kl")
+            self.teacher_scorer.check(self._gate_needs(), "--gate neg_kl")
         student.train()
         if config.train_top_blocks:  # before the optimizer: it takes the trainable weights
             train_top_blocks(student, config.train_top_blocks)
@@ -179,6 +196,21 @@ class OPDTrainer:
                                       run_config=config.to_dict(), enabled=self.ranks.is_main)
 
     # ------------------------------------------------------------------ setup
+    @property
+    def gate_problems(self) -> list[Problem]:
+        """This rank's share of the fixed gate set: built in ``__init__`` where there is a
+        gate, else at first use (``gate_reverse_kl`` as a KL probe of a plain run), so a plain
+        run on a task without a gate split trains."""
+        if self._gate_problems is None:
+            c = self.config
+            self._gate_problems = self.ranks.shard(
+                _sample(self.task, "gate", c.gate_size, c.seed, "--gate_size"))
+        return self._gate_problems
+
+    @gate_problems.setter
+    def gate_problems(self, problems: list[Problem]) -> None:
+        self._gate_problems = problems
+
     def _check_fsdp(self) -> None:
         """``fsdp=True`` needs torchrun's process group, and every rank must run as many
         micro-batches as the others (each forward and backward of a sharded model is a
@@ -230,11 +262,21 @@ class OPDTrainer:
             return self._accuracy(self.gate_problems, across_ranks=False)  # the gate reduces
         return -self.gate_reverse_kl()
 
+    def _gate_needs(self) -> TeacherNeeds:
+        """What the −KL gate reads from the teacher: the full distribution, or the top-k
+        (``topk``) of a teacher that gives no more (a served one), whose bucketed reverse KL
+        is a lower bound of the full one. A teacher giving neither is refused for the full."""
+        top, capability = TeacherNeeds.topk(self.config.topk), self.teacher_scorer.capability
+        if capability.covers(top) and not capability.covers(TeacherNeeds.FULL):
+            return top
+        return TeacherNeeds.FULL
+
     def gate_reverse_kl(self) -> float:
-        """Mean full-vocabulary reverse KL to the teacher on the fixed gate rollouts
-        (sampled once, at the first call, teacher-forced afterwards: continuous, cheap). The
-        teacher's scores of them are computed at the first call too; each later call runs
-        only the student."""
+        """Mean reverse KL to the teacher on the fixed gate rollouts (sampled once, at the
+        first call, teacher-forced afterwards: continuous, cheap): over the full vocabulary,
+        or over the teacher's top-k and a tail bucket when it gives no more
+        (``_gate_needs``). The teacher's scores of them are computed at the first call too;
+        each later call runs only the student."""
         if self._gate_sequences is None:
             r = self.synced_engine().generate(
                 [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
@@ -243,20 +285,24 @@ class OPDTrainer:
                                     "completion_mask": r.completion_mask}
             self._gate_teacher = None
         g = {k: v.to(self.config.device) for k, v in self._gate_sequences.items()}
+        needs = self._gate_needs()
         if self._gate_teacher is None:
             self._gate_teacher = self.teacher_scorer.score(
-                g["sequences"], g["attention_mask"], g["completion_mask"], TeacherNeeds.FULL)
+                g["sequences"], g["attention_mask"], g["completion_mask"], needs)
         was_training = self.student.training
         self.student.eval()
         try:
             with torch.no_grad():
                 student = model_logits(self.student, g["sequences"], g["attention_mask"],
                                        self.vocab_size, chunk_size=self.loss_chunk_size)
-                out = reverse_kl_loss(student, self._gate_teacher.full(),
-                                      g["completion_mask"][:, 1:])
+                mask = g["completion_mask"][:, 1:]
+                if needs.level == "full":
+                    return reverse_kl_loss(student, self._gate_teacher.full(),
+                                           mask).metrics["reverse_kl"]
+                return topk_reverse_kl_loss(student, self._gate_teacher.top(),
+                                            mask).metrics["topk_reverse_kl"]
         finally:
             self.student.train(was_training)
-        return out.metrics["reverse_kl"]
 
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any).
@@ -429,11 +475,11 @@ class OPDTrainer:
         teacher = self.teacher_scorer
         if self.router is not None:
             teacher = self.router.for_rows(self._row_teachers[rows])
+        needs = teacher_needs(self.config.loss, self.config)
         scores = score_tokens(self.student, teacher, rollout.sequences[rows],
                               rollout.attention_mask[rows], rollout.completion_mask[rows],
-                              self.vocab_size, needs=teacher_needs(self.config.loss),
-                              chunk_size=self.loss_chunk_size, advantages=advantages,
-                              temperature=self.config.temperature)
+                              self.vocab_size, needs=needs, chunk_size=self.loss_chunk_size,
+                              advantages=advantages, temperature=self.config.temperature)
         out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
         if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
             with torch.no_grad():
@@ -580,6 +626,19 @@ class OPDTrainer:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         return True
+
+
+def _sample(task: Task, split: str, n: int, seed: int, flag: str) -> list[Problem]:
+    """``task.problems(split, n, seed)``, or one line naming the flag that asks too much."""
+    have = len(task.all_problems(split))
+    if have == 0:
+        fix = " or --gate none" if split == "gate" else ""
+        raise ValueError(f"task {task.name!r} has no {split} problems for {flag} {n}; give the "
+                         f"task more problems{fix}")
+    if n > have:
+        raise ValueError(f"{flag} {n} exceeds the {have} {split} problems of task "
+                         f"{task.name!r}; give {flag} {have} or less")
+    return task.problems(split, n, seed=seed)
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str):
