@@ -23,6 +23,7 @@ costs, on the real-model pair of ``real_lm`` (student ``smollm2-135m-gguf``, eve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 from typing import Any
 
@@ -34,6 +35,7 @@ from benchmarks.common import markdown_table
 STEM = "topk"
 KS = (8, 20, 64, 256)  # 20: vLLM's default --max-logprobs
 RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS = (20, 256), (1e-6, 1e-5), (0, 1), 30
+MICRO = 4  # rollouts per forward and backward of the table (memory: the vocabulary is 49k)
 REPORT_OPTIONS = ("kl_size", "ks", "run_ks", "run_lrs", "seeds", "max_steps")
 
 
@@ -63,6 +65,16 @@ def flat_grad(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def cosine(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 22) -> float:
+    """cos(a, b) accumulated in float64 a chunk at a time (fp32 sums over 135M numbers drift
+    by ~1e-5; a float64 copy of a whole gradient is 1 GB)."""
+    dot = aa = bb = 0.0
+    for x, y in zip(a.split(chunk), b.split(chunk), strict=True):
+        x, y = x.double(), y.double()
+        dot, aa, bb = dot + float(x @ y), aa + float(x @ x), bb + float(y @ y)
+    return dot / math.sqrt(aa * bb)
+
+
 def table(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL
           ) -> list[dict[str, Any]]:
     """One row per (direction, k): the loss, its gradient's cosine with the full loss's, and
@@ -78,32 +90,45 @@ def table(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL
     top = ModelTeacher(pair["teacher"], kl.vocab, chunk_size=kl.chunk).score(
         sequences, attention, completion, TeacherNeeds.topk(k_max))
     full = kl.teacher  # the teacher's full distribution on the same rollouts
-    cases = {"reverse": [(None, lambda s: losses.reverse_kl_loss(s, full, mask)),
-                         (0, lambda s: losses.reverse_kl_pg_loss(
-                             s.token_logprobs(tokens, mask.bool()), top.token_logprobs, mask))],
-             "forward": [(None, lambda s: losses.generalized_jsd_loss(s, full, mask, beta=0.0))]}
+    lp, ids = top.topk_logprobs, top.topk_ids
+
+    def rows_of(logits: Any, r: torch.Tensor) -> Any:  # the teacher's scores of rows r
+        return dataclasses.replace(logits, states=logits.states[r])
+
+    cases = {"reverse": [(None, lambda r, s, n: losses.reverse_kl_loss(
+                              s, rows_of(full, r), mask[r], num_tokens=n)),
+                         (0, lambda r, s, n: losses.reverse_kl_pg_loss(
+                             s.token_logprobs(tokens[r], mask[r].bool()),
+                             top.token_logprobs[r], mask[r], num_tokens=n))],
+             "forward": [(None, lambda r, s, n: losses.generalized_jsd_loss(
+                 s, rows_of(full, r), mask[r], beta=0.0, num_tokens=n))]}
     for k in a.ks:
         k = min(k, kl.vocab)
-        cases["reverse"].append((k, lambda s, k=k: losses.topk_reverse_kl_loss(
-            s, (top.topk_logprobs, top.topk_ids), mask, k=k)))
-        cases["forward"].append((k, lambda s, k=k: losses.topk_forward_kl_loss(
-            s, (top.topk_logprobs, top.topk_ids), mask, k=k)))
+        cases["reverse"].append((k, lambda r, s, n, k=k: losses.topk_reverse_kl_loss(
+            s, (lp[r], ids[r]), mask[r], k=k, num_tokens=n)))
+        cases["forward"].append((k, lambda r, s, n, k=k: losses.topk_forward_kl_loss(
+            s, (lp[r], ids[r]), mask[r], k=k, num_tokens=n)))
     m = mask.bool()
+    total = mask.sum()
     rows = []
     student.eval()  # no dropout: the same function for every loss
     for direction, items in cases.items():
         reference = None
         for k, loss_fn in items:
             student.zero_grad(set_to_none=True)
-            out = loss_fn(model_logits(student, sequences, attention, kl.vocab,
-                                       chunk_size=kl.chunk))
-            out.loss.backward()
+            value = 0.0
+            # MICRO rows at a time, each normalised by the whole batch's tokens: the gradient
+            # and the loss of the whole batch, with a quarter of the activations in memory.
+            for rows_ in torch.arange(len(sequences)).split(MICRO):
+                out = loss_fn(rows_, model_logits(student, sequences[rows_], attention[rows_],
+                                                  kl.vocab, chunk_size=kl.chunk), total)
+                out.loss.backward()
+                value += float(out.loss.detach())
             g = flat_grad(student)
             reference = g if k is None else reference
             mass = (None if not k else float(top.topk_logprobs[..., :k].exp().sum(-1)[m].mean()))
-            rows.append({"direction": direction, "k": k, "loss": float(out.loss.detach()),
-                         "cosine": float(torch.nn.functional.cosine_similarity(g, reference,
-                                                                              dim=0)),
+            rows.append({"direction": direction, "k": k, "loss": value,
+                         "cosine": cosine(g, reference),
                          "teacher_mass": mass})
     student.zero_grad(set_to_none=True)
     return rows
