@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lookahead_opd import geometry as g
+from lookahead_opd.integrations import geometry as g
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -154,4 +154,4 @@ def test_opd_config_carries_the_option():
     config = OPDConfig(task="arithmetic", lr_follow=4.0, extrapolate=True)
     assert config.extrapolation_options()["lr_follow"] == 4.0
     with pytest.raises(ValueError, match="lr_follow"):
-        OPDConfig(task="arithmetic", lr_follow=0.5).validate(check_paths=False)
+        OPDConfig(task="arithmetic", lr_follow=0.5).validate()

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lookahead_opd import cli
-from lookahead_opd.toy import format_result, run_toy
+from lookahead_opd.demo.toy import format_result, run_toy
+from lookahead_opd.integrations import cli
 
 
 def test_toy_jumps_are_accepted_and_help() -> None:

@@ -1,7 +1,10 @@
 """lookahead-opd: validation-gated weight extrapolation (EffOPD) for any torch optimizer.
 
-The core (this package) depends on torch and numpy only; ``lookahead_opd.integrations``
-holds the Hugging Face, vLLM and on-policy-distillation code and imports those lazily.
+The core (this package's top-level modules) depends on torch and numpy only and imports
+nothing from the subpackages: ``lookahead_opd.integrations`` holds the Hugging Face, vLLM and
+on-policy-distillation code (and the ``lookahead-opd`` command) and imports those lazily;
+``lookahead_opd.diagnostic`` (the teacher-selection diagnostic) and ``lookahead_opd.demo`` (the
+demo, its zoo and the torch-only toy) build on it.
 """
 
 from .distributed import resharding

@@ -14,15 +14,15 @@ pytest.importorskip("transformers")
 
 from transformers import Qwen2ForCausalLM  # noqa: E402
 
-from lookahead_opd.cli import main as cli_main  # noqa: E402
-from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
-from lookahead_opd.integrations.opd.tasks import ArithmeticTask, Problem, Task  # noqa: E402
-from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
-from lookahead_opd.integrations.teacher_selection import (  # noqa: E402
+from lookahead_opd.diagnostic import (  # noqa: E402
     ContextTeacher,
     diagnose,
     min_budget,
 )
+from lookahead_opd.integrations.cli import main as cli_main  # noqa: E402
+from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
+from lookahead_opd.integrations.opd.tasks import ArithmeticTask, Problem, Task  # noqa: E402
+from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
 
 EVEN = "02468"
 

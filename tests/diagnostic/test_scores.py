@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lookahead_opd.integrations.teacher_selection import (
+from lookahead_opd.diagnostic import (
     alignment,
     bootstrap_mean,
     candidate_set,

@@ -180,7 +180,7 @@ def test_cli_under_torchrun_trains_checkpoints_and_resumes_sharded(tmp_path):
 
     def train(*extra: str) -> None:
         args = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "-m", "lookahead_opd.cli", "train",
+                "--nproc-per-node", "2", "-m", "lookahead_opd.integrations.cli", "train",
                 "--student", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"),
                 "--fsdp", "--fsdp_teacher", "shard", "--extrapolate", "--gate", "neg_kl",
                 "--batch_size", "8", "--gate_size", "4", "--eval_size", "4", "--max_new_tokens",

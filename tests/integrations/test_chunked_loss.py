@@ -189,7 +189,7 @@ def test_score_tokens_chunked_equals_dense_on_a_model(tokenizer, loss, tied, pad
         scores = score_tokens(student, teacher, seq, attn, completion, vocab,
                               needs=teacher_needs(loss), chunk_size=chunk,
                               advantages=torch.tensor([1.0, -0.5, 0.25]))
-        out = compute_loss(loss, scores, num_tokens=20, config=config)
+        out = compute_loss(loss, scores, num_tokens=20, options=config.loss_options())
         out.loss.backward()
         results.append((out, {n: p.grad.clone() for n, p in student.named_parameters()}))
     (dense, dense_grads), (chunked, grads) = results

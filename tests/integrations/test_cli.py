@@ -1,5 +1,5 @@
 """The commands as a careful user meets them, through the real entry point
-(``lookahead_opd.cli.main``): every bad input ends in one line on stderr and status 2 before
+(``lookahead_opd.integrations.cli.main``): every bad input ends in one line on stderr and status 2 before
 any model loads, leaving every earlier file as it was; a re-run never overwrites an earlier
 run by accident; a damaged checkpoint is set aside and the run resumes from the one before."""
 
@@ -17,7 +17,7 @@ from conftest import tiny_qwen2
 
 transformers = pytest.importorskip("transformers")
 
-from lookahead_opd import cli  # noqa: E402
+from lookahead_opd.integrations import cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,7 @@ def test_resume_past_a_truncated_checkpoint(tmp_path, capsys, models):
     # A fresh process, as a user runs it: the warning goes to stderr through logging's
     # last-resort handler, which pytest's log capture would otherwise replace.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lookahead_opd.cli",
+    proc = subprocess.run([sys.executable, "-m", "lookahead_opd.integrations.cli",
                            *_train_args(models, out, "--resume", "--max_steps", "5")],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -213,8 +213,8 @@ def test_zoo_removes_killed_builds_through_the_demo(tmp_path, capsys):
     the process gone or untouched for an hour; a live build's folder stays. It exports the
     models to a stable place and prints it; ``train`` runs on them."""
     pytest.importorskip("matplotlib")
-    from lookahead_opd.integrations.opd.demo import DemoConfig
-    from lookahead_opd.integrations.opd.zoo import build_pair
+    from lookahead_opd.demo.run import DemoConfig
+    from lookahead_opd.demo.zoo import build_pair
 
     # The demo's pair: shipped with the package, or the default cache's build of it.
     pair = build_pair(teacher_regime=DemoConfig.teacher_regime, progress=False)

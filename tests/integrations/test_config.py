@@ -1,10 +1,12 @@
-"""OPDConfig: CLI from the dataclass, yaml files, and one clear error per bad input."""
+"""OPDConfig: CLI from the dataclass, yaml files, and one clear error per bad input (its own
+values in ``validate``, the rest in ``train.check_run``)."""
 
 import json
 
 import pytest
 
-from lookahead_opd.integrations.opd.config import OPDConfig, parse_config
+from lookahead_opd.integrations.opd.config import OPDConfig
+from lookahead_opd.integrations.opd.train import check_run, parse_config
 
 
 def _saved_model_dir(tmp_path, name):
@@ -50,7 +52,7 @@ def test_config_file_errors(tmp_path):
 def test_bad_options_fail_before_loading(tmp_path, change, message):
     base = {"student": _saved_model_dir(tmp_path, "s"), "teacher": _saved_model_dir(tmp_path, "t")}
     with pytest.raises(ValueError, match=message):
-        OPDConfig(**{**base, **change}).validate()
+        check_run(OPDConfig(**{**base, **change}))
 
 
 def _fake_hub_cache(root, repo_id):
@@ -69,13 +71,33 @@ def test_model_paths(tmp_path, monkeypatch):
     _fake_hub_cache(tmp_path / "hub", "Qwen/Qwen2.5-0.5B")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    OPDConfig(student=ok, teacher="Qwen/Qwen2.5-0.5B").validate()  # in the cache: no network
+    check_run(OPDConfig(student=ok, teacher="Qwen/Qwen2.5-0.5B"))  # in the cache: no network
     with pytest.raises(ValueError, match="'Qwen/nothing' was not found.*need no network"):
-        OPDConfig(student=ok, teacher="Qwen/nothing").validate()
+        check_run(OPDConfig(student=ok, teacher="Qwen/nothing"))
     with pytest.raises(ValueError, match="student path .* does not exist"):
-        OPDConfig(student=str(tmp_path / "nope"), teacher=ok).validate()
+        check_run(OPDConfig(student=str(tmp_path / "nope"), teacher=ok))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no config.json"):
-        OPDConfig(student=ok, teacher=str(tmp_path / "empty")).validate()
+        check_run(OPDConfig(student=ok, teacher=str(tmp_path / "empty")))
     with pytest.raises(ValueError, match="--teacher is required"):
-        OPDConfig(student=ok).validate()
+        check_run(OPDConfig(student=ok))
+
+
+def test_validate_checks_only_the_configs_own_values(tmp_path):
+    """``validate`` passes what only the rest of the package can judge (``check_run`` does)."""
+    config = OPDConfig(task="chess", optimizer="no.such:Optimizer", student=str(tmp_path / "x"))
+    config.validate()
+    with pytest.raises(ValueError, match="cannot import 'no.such'"):
+        check_run(config, check_paths=False)
+
+
+def test_the_configs_names_match_the_registries():
+    """The names the config repeats (so as to import none of the loop) are the registries'."""
+    from lookahead_opd.integrations.opd import config, losses
+    from lookahead_opd.selection import PARAM_SELECTORS
+
+    assert config.LOSS_NAMES == tuple(losses.LOSSES)
+    assert set(config.LOSS_OPTIONS) == {v for spec in losses.LOSS_INPUTS.values()
+                                        for v in spec.options.values()}
+    assert OPDConfig().topk == losses.DEFAULT_TOPK
+    assert config.PARAM_SELECTOR_NAMES == tuple(PARAM_SELECTORS)

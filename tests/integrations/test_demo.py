@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
-from lookahead_opd import cli  # noqa: E402
-from lookahead_opd.integrations.opd.zoo import RL_BASE_RANGE  # noqa: E402
+from lookahead_opd.demo.zoo import RL_BASE_RANGE  # noqa: E402
+from lookahead_opd.integrations import cli  # noqa: E402
 
 
 def test_demo_quick_end_to_end(tmp_path, capsys, monkeypatch):
@@ -63,14 +63,14 @@ def test_demo_conservative_lr_must_be_below_the_reference(tmp_path, capsys):
 
 
 def test_demo_no_follow_runs_three(tmp_path):
-    from lookahead_opd.integrations.opd.demo import DemoConfig
+    from lookahead_opd.demo.run import DemoConfig
 
     names = [r["name"] for r in DemoConfig(follow=False).plan()]
     assert names == ["reference", "plain", "effopd"]
 
 
 def test_the_conclusion_follows_the_numbers():
-    from lookahead_opd.integrations.opd.demo import conclusion
+    from lookahead_opd.demo.run import conclusion
 
     def run(steps, gate_evals=0, kept=0, searches=0):
         return {"steps_0.75": steps, "gate_evals": gate_evals, "gate_seconds": 0.5,
@@ -94,7 +94,7 @@ def test_the_conclusion_follows_the_numbers():
 
 
 def test_demo_rejects_bad_regime(tmp_path):
-    from lookahead_opd.integrations.opd.demo import DemoConfig, run_demo
+    from lookahead_opd.demo.run import DemoConfig, run_demo
 
     with pytest.raises(ValueError, match="teacher_regime"):
         run_demo(DemoConfig(output_dir=str(tmp_path), teacher_regime="other"))

@@ -21,6 +21,7 @@ from lookahead_opd.integrations.opd.optimizers import (  # noqa: E402
 )
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
+from lookahead_opd.integrations.opd.train import check_run  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
 
 
@@ -53,13 +54,13 @@ def test_a_callable_is_its_own_factory_and_kwargs_win():
     ("adamx", "is not one of adamw"), ("torch.optim.Nope", "has no 'Nope'"),
     ("no_such_pkg.Opt", "cannot import 'no_such_pkg'"), ("torch.optim.lr_scheduler.LambdaLR", None),
     ("mechanic:torch.nn.Linear", "Mechanic wraps a torch.optim.Optimizer class")])
-def test_bad_names_fail_in_validate_before_any_model(spec, message):
+def test_bad_names_fail_in_the_run_checks_before_any_model(spec, message):
     config = OPDConfig(task="arithmetic", optimizer=spec)
     if message is None:  # importable and callable: accepted here, judged when it is built
-        config.validate(check_paths=False)
+        check_run(config, check_paths=False)
         return
     with pytest.raises(ValueError, match=message):
-        config.validate(check_paths=False)
+        check_run(config, check_paths=False)
 
 
 def test_optimizer_kwargs_are_a_json_object():
@@ -67,7 +68,7 @@ def test_optimizer_kwargs_are_a_json_object():
     assert optimizer_kwargs('{"betas": [0.9, 0.99], "d0": 1e-5}') == {"betas": (0.9, 0.99), "d0": 1e-5}
     for bad in ("[1]", "{d0: 1}"):
         with pytest.raises(ValueError, match="optimizer_kwargs must be a JSON object"):
-            OPDConfig(task="arithmetic", optimizer_kwargs=bad).validate(check_paths=False)
+            check_run(OPDConfig(task="arithmetic", optimizer_kwargs=bad), check_paths=False)
 
 
 def test_prodigy_gets_its_authors_settings():

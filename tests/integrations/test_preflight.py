@@ -13,7 +13,8 @@ from conftest import tiny_qwen2
 
 pytest.importorskip("transformers")
 
-from lookahead_opd import cli  # noqa: E402
+from lookahead_opd.demo.zoo import SHIPPED_PAIRS  # noqa: E402
+from lookahead_opd.integrations import cli  # noqa: E402
 from lookahead_opd.integrations.opd import preflight  # noqa: E402
 from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
@@ -24,7 +25,6 @@ from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.teacher import ModelTeacher, TeacherScores  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import CHARS, char_tokenizer  # noqa: E402
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
-from lookahead_opd.integrations.opd.zoo import SHIPPED_PAIRS  # noqa: E402
 
 TOPK_LOSSES = sorted(name for name in LOSSES if name.startswith("topk_"))
 

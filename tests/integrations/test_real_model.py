@@ -108,9 +108,9 @@ def test_the_name_is_checked_without_the_hub(monkeypatch):
 def test_chatml_with_eos_as_pad_masks_by_length(tokenizer):
     """eos = pad = <|im_end|>: the prompt's own <|im_end|> (after the system and user turns) and
     one inside the answer text are attended and labelled; only the padding is masked."""
+    from lookahead_opd.demo.zoo import _sft_batch
     from lookahead_opd.integrations.opd.engines import build_rollout, tokenize_prompts
     from lookahead_opd.integrations.opd.tasks import Problem
-    from lookahead_opd.integrations.opd.zoo import _sft_batch
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token_id == tokenizer.pad_token_id == end
@@ -178,8 +178,8 @@ def test_the_named_rl_teacher_is_the_base_plus_the_shipped_delta(folder, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from benchmarks.real_teacher import DELTA, RESULTS
+    from lookahead_opd.demo.zoo import weight_distance
     from lookahead_opd.integrations.model_sources import SMOLLM2_RL, DeltaSource
-    from lookahead_opd.integrations.opd.zoo import weight_distance
 
     build = json.loads((RESULTS / "build.json").read_text())
     assert build["accepted"] and build["base"] == NAME == SMOLLM2_RL.base

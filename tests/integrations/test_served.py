@@ -14,6 +14,7 @@ from lookahead_opd.integrations.opd.served import (
     TeacherServerError,
     probe_server,
 )
+from lookahead_opd.integrations.opd.train import check_run
 
 SEQS = [[1, 5, 9, 12, 4], [1, 7, 3], [1, 2, 2, 2, 2, 2, 8]]
 
@@ -211,14 +212,14 @@ def _config(**kw):
 ])
 def test_bad_teacher_options_are_one_line(kw, message):
     with pytest.raises(ValueError, match=message) as err:
-        _config(**kw).validate(check_paths=False)
+        check_run(_config(**kw), check_paths=False)
     assert "\n" not in str(err.value)
 
 
 def test_teacher_refs_name_urls_and_paths():
     c = _config(teachers=["math=http://a:1,http://b:2", "code=./models/t"], teacher_key="domain",
                 default_teacher="math")
-    c.validate(check_paths=False)
+    check_run(c, check_paths=False)
     assert c.teacher_refs() == {"math": ["http://a:1", "http://b:2"], "code": "./models/t"}
     assert c.served_teacher()
     assert not _config(teacher="t").served_teacher()
@@ -226,7 +227,7 @@ def test_teacher_refs_name_urls_and_paths():
 
 
 def test_the_cli_parses_several_urls():
-    from lookahead_opd.integrations.opd.config import parse_config
+    from lookahead_opd.integrations.opd.train import parse_config
 
     c = parse_config(["--student", "s", "--teacher_url", "http://a:1", "http://b:2",
                       "--teacher_max_inflight", "4"])
@@ -280,7 +281,7 @@ def test_cli_prints_one_line_when_the_server_fails_mid_run(stub, tmp_path, capsy
 
 
 def test_diagnose_refuses_a_served_teacher_in_one_line():
-    from lookahead_opd.integrations.teacher_selection.teachers import parse_teacher_spec
+    from lookahead_opd.diagnostic.teachers import parse_teacher_spec
 
     with pytest.raises(ValueError, match="full distribution; pass the teacher's model"):
         parse_teacher_spec("http://127.0.0.1:8000")

@@ -30,12 +30,17 @@ from lookahead_opd.integrations.opd.teacher import ModelTeacher, TeacherNeeds, T
 
 pytest.importorskip("transformers")
 
-from lookahead_opd.integrations.opd.config import OPDConfig, parse_config  # noqa: E402
+from lookahead_opd.integrations.opd.config import OPDConfig  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
 from lookahead_opd.integrations.opd.scoring import score_tokens  # noqa: E402
 from lookahead_opd.integrations.opd.served import connect  # noqa: E402
 from lookahead_opd.integrations.opd.tasks import ArithmeticTask  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
+from lookahead_opd.integrations.opd.train import (  # noqa: E402
+    check_run,
+    parse_config,
+    teacher_top_k,
+)
 from lookahead_opd.integrations.opd.trainer import OPDTrainer  # noqa: E402
 
 BETAS = (0.0, 0.3, 0.5, 1.0)
@@ -240,9 +245,9 @@ def test_score_tokens_on_a_model_chunked_equals_dense(tokenizer, loss):
     for chunk in (0, 4):
         student.zero_grad()
         scores = score_tokens(student, teacher, seq, attn, completion, vocab,
-                              needs=teacher_needs(loss, config), chunk_size=chunk)
+                              needs=teacher_needs(loss, config.loss_options()), chunk_size=chunk)
         assert scores.teacher.topk_ids.shape == (3, 11, 5)
-        out = compute_loss(loss, scores, num_tokens=20, config=config)
+        out = compute_loss(loss, scores, num_tokens=20, options=config.loss_options())
         out.loss.backward()
         assert out.metrics["reverse_kl"] == pytest.approx(scores.sampled_reverse_kl())
         results.append((out, [p.grad.clone() for p in student.parameters()]))
@@ -254,15 +259,15 @@ def test_score_tokens_on_a_model_chunked_equals_dense(tokenizer, loss):
 
 def test_teacher_needs_and_the_options_come_from_the_config():
     assert teacher_needs("topk_jsd") == TeacherNeeds.topk(DEFAULT_TOPK) == TeacherNeeds.topk(20)
-    assert teacher_needs("topk_reverse_kl", OPDConfig(topk=7)) == TeacherNeeds.topk(7)
-    assert teacher_needs("reverse_kl", OPDConfig(topk=7)) == TeacherNeeds.FULL
+    assert teacher_needs("topk_reverse_kl", {"topk": 7}) == TeacherNeeds.topk(7)
+    assert teacher_needs("reverse_kl", OPDConfig(topk=7).loss_options()) == TeacherNeeds.FULL
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 3, 10, generator=g), torch.randn(2, 3, 10, generator=g)
     m = torch.ones(2, 3, dtype=torch.bool)
     lp, ids = top_of(t, 6, m)
     student = NextTokenLogits(s)
     scores = _scores(student, TeacherScores(torch.zeros(2, 3), lp, ids), m)
-    out = compute_loss("topk_jsd", scores, config=OPDConfig(topk=4, jsd_beta=0.2))
+    out = compute_loss("topk_jsd", scores, options=OPDConfig(topk=4, jsd_beta=0.2).loss_options())
     want = topk_jsd_loss(s, (lp[..., :4], ids[..., :4]), m, beta=0.2)  # more given: k used
     assert float(out.loss) == pytest.approx(float(want.loss))
     assert float(out.loss) != pytest.approx(float(topk_jsd_loss(s, (lp, ids), m, beta=0.2).loss))
@@ -292,17 +297,17 @@ def test_errors_are_one_line_and_name_the_problem():
 def test_config_accepts_top_k_losses_and_the_gate_with_a_served_teacher():
     served = dict(student="s", teacher_url=["http://h:1"])
     for loss in ("topk_forward_kl", "topk_reverse_kl", "topk_jsd"):
-        OPDConfig(**served, loss=loss).validate(check_paths=False)
-    OPDConfig(**served, extrapolate=True, gate="neg_kl").validate(check_paths=False)
-    OPDConfig(student="s", teachers=["a=http://h:1"], teacher_key="k",
-              loss="topk_jsd").validate(check_paths=False)
+        check_run(OPDConfig(**served, loss=loss), check_paths=False)
+    check_run(OPDConfig(**served, extrapolate=True, gate="neg_kl"), check_paths=False)
+    check_run(OPDConfig(student="s", teachers=["a=http://h:1"], teacher_key="k",
+                        loss="topk_jsd"), check_paths=False)
     with pytest.raises(ValueError, match="topk must be >= 1, got 0"):
-        OPDConfig(**served, loss="topk_jsd", topk=0).validate(check_paths=False)
+        OPDConfig(**served, loss="topk_jsd", topk=0).validate()
     with pytest.raises(ValueError, match="loss=jsd needs the teacher's full.*a topk_\\* loss"):
-        OPDConfig(**served, loss="jsd").validate(check_paths=False)
-    assert OPDConfig(**served, loss="topk_jsd", topk=5).teacher_top_k() == 5
-    assert OPDConfig(**served, extrapolate=True, gate="neg_kl", topk=8).teacher_top_k() == 8
-    assert OPDConfig(**served).teacher_top_k() == 0
+        check_run(OPDConfig(**served, loss="jsd"), check_paths=False)
+    assert teacher_top_k(OPDConfig(**served, loss="topk_jsd", topk=5)) == 5
+    assert teacher_top_k(OPDConfig(**served, extrapolate=True, gate="neg_kl", topk=8)) == 8
+    assert teacher_top_k(OPDConfig(**served)) == 0
     c = parse_config(["--student", "s", "--loss", "topk_reverse_kl", "--topk", "8"])
     assert (c.loss, c.topk) == ("topk_reverse_kl", 8)
 
@@ -351,9 +356,11 @@ def _trainer(tmp_path, tokenizer, teacher, **options):
     config = OPDConfig(**{**defaults, **options})
     if teacher == "served":
         task = ArithmeticTask()
-        teacher = connect(config.teacher_url, config, tokenizer,
+        teacher = connect(config.teacher_url, tokenizer,
                           [p.prompt for p in task.problems("train", seed=config.seed)],
-                          config.max_new_tokens, top_k=config.teacher_top_k())
+                          config.max_new_tokens, top_k=teacher_top_k(config),
+                          max_inflight=config.teacher_max_inflight,
+                          timeout=config.teacher_timeout, retries=config.teacher_retries)
     return OPDTrainer(config, student, teacher, ArithmeticTask(),
                       HFEngine(student, tokenizer, batch_size=64), tokenizer=tokenizer)
 

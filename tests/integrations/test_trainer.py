@@ -44,6 +44,7 @@ def _trainer(tmp_path, tokenizer, *, teacher_seed: int | None = 1, prepare=None,
                     max_new_tokens=4, eval_every=0, eval_size=16, gate_size=8, progress=False,
                     max_grad_norm=None)
     config = OPDConfig(**{**defaults, **options})
+    config.validate()  # as build_trainer does before it builds one
     engine = HFEngine(student, tokenizer, batch_size=64)
     return OPDTrainer(config, student, teacher, ArithmeticTask(), engine, tokenizer=tokenizer)
 
@@ -223,9 +224,9 @@ def test_train_top_blocks_bad_values(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"train_top_blocks must be in 1\.\.2"):
         _trainer(tmp_path, tokenizer, train_top_blocks=3)
     with pytest.raises(ValueError, match="train_top_blocks"):
-        OPDConfig(train_top_blocks=-1).validate(check_paths=False)
+        OPDConfig(train_top_blocks=-1).validate()
     with pytest.raises(ValueError, match="not supported with fsdp"):
-        OPDConfig(train_top_blocks=1, fsdp=True).validate(check_paths=False)
+        OPDConfig(train_top_blocks=1, fsdp=True).validate()
 
 
 def test_a_plain_run_needs_no_gate_split(tmp_path, tokenizer):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lookahead_opd.integrations.opd import zoo
+from lookahead_opd.demo import zoo
 from lookahead_opd.integrations.opd.tasks import load_task
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
 

@@ -22,18 +22,17 @@ if not hasattr(_vllm, "LLM"):  # this very directory, imported as a namespace pa
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from lookahead_opd.integrations.opd.checkpoint import latest_checkpoint  # noqa: E402
-from lookahead_opd.integrations.opd.config import parse_config  # noqa: E402
 from lookahead_opd.integrations.opd.engines import HFEngine  # noqa: E402
 from lookahead_opd.integrations.opd.served import (  # noqa: E402
     ServedTeacher,
     TeacherClient,
     TeacherServerError,
-    VLLMServer,
     probe_server,
 )
 from lookahead_opd.integrations.opd.teacher import ModelTeacher, TeacherNeeds  # noqa: E402
 from lookahead_opd.integrations.opd.tokenizer import char_tokenizer  # noqa: E402
-from lookahead_opd.integrations.opd.train import build_trainer, main  # noqa: E402
+from lookahead_opd.integrations.opd.train import build_trainer, main, parse_config  # noqa: E402
+from lookahead_opd.testing.vllm_server import VLLMServer  # noqa: E402
 
 PROMPTS = [f"{a}+{b}=" for a in range(0, 40, 3) for b in (7, 48)]
 # The flags that matter (docs/gpu.md): room for prompt + completion + 1, top-k up to 20, and

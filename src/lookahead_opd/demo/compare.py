@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import OPDConfig
-from .tasks import Task
+from lookahead_opd.integrations.opd.config import OPDConfig
+from lookahead_opd.integrations.opd.tasks import Task
 
 __all__ = ["run_variant", "steps_to_target", "jump_survival"]
 
@@ -35,9 +35,10 @@ def run_variant(config: OPDConfig, student: nn.Module, teacher: nn.Module, task:
     dropped, and its return value is stored under ``"extra"``. ``trainer_class`` replaces
     ``OPDTrainer`` with a subclass (e.g. one whose ``gate_score`` adds a constraint).
     """
-    from .engines import HFEngine
-    from .trainer import OPDTrainer
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
+    config.validate()  # its own values: a variant's fields are the caller's
     torch.manual_seed(config.seed)
     model = copy.deepcopy(student)
     engine = HFEngine(model, tokenizer, batch_size=engine_batch_size)

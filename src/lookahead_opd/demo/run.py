@@ -1,7 +1,7 @@
 """``lookahead-opd demo``: what EffOPD is for, measured — a run from a conservative learning
 rate, against plain OPD from the same lr and plain OPD at the best lr.
 
-1. Load the pair: by default the one shipped with the package (``src/lookahead_opd/integrations/opd/pairs``: a
+1. Load the pair: by default the one shipped with the package (``src/lookahead_opd/demo/pairs``: a
    tiny base on generated arithmetic and its Dr. GRPO teacher), the pair of
    ``benchmarks/results/lr_basin.md``'s ``short-512/rl/adamw`` cell; other ``--size`` /
    ``--teacher_regime`` / ``--seed`` values build one from scratch (minutes, then cached).
@@ -33,13 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from lookahead_opd.integrations.cli_support import (
+    check_output_dir,
+    parse_dataclass,
+    quiet_loading_bars,
+)
+from lookahead_opd.integrations.opd.config import OPDConfig, with_defaults
 from lookahead_opd.options import option
 
-from ..cli_support import check_output_dir, quiet_loading_bars
-from .config import OPDConfig, parse_dataclass, with_defaults
 from .zoo import TEACHER_REGIMES, ZOO_SIZES
 
-__all__ = ["DemoConfig", "run_demo", "main", "format_table", "conclusion", "reading", "FOLLOW_CAP"]
+__all__ = ["DemoConfig", "check_demo", "run_demo", "main", "format_table", "conclusion", "reading", "FOLLOW_CAP"]
 
 
 # The demo's defaults where they differ from a training run's: those of benchmarks/lr_basin.py
@@ -95,18 +99,15 @@ class DemoConfig(_DemoDefaults):
                                    gate_size=min(self.gate_size, 20), eval_size=min(self.eval_size, 50),
                                    eval_every=min(self.eval_every, 2))
 
-    def validate(self, *, check_paths: bool = True) -> None:
-        """Raise ``ValueError`` naming the first bad option; nothing is built or loaded (the
-        models are the demo's own, so ``student`` and ``teacher`` are not checked)."""
-        super().validate(check_paths=False)
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option: the config's own values only
+        (``check_demo`` adds the checks that read the rest of the package)."""
+        super().validate()
         if not 0 < self.target_fraction <= 1:
             raise ValueError(f"target_fraction must be in (0, 1], got {self.target_fraction}")
         if not 0 < self.conservative < 1:
             raise ValueError(f"conservative must be in (0, 1): a factor below the reference "
                              f"learning_rate; got {self.conservative}")
-        if check_paths:
-            check_output_dir(self.output_dir)
-            check_output_dir(str(self.models_dir()), "export_dir")
 
     def models_dir(self) -> Path:
         """Where the built student and teacher are copied."""
@@ -127,8 +128,9 @@ class DemoConfig(_DemoDefaults):
 
 def _run_one(cfg: DemoConfig, models: dict[str, Any], run: dict[str, Any],
              stop_at: float) -> dict[str, Any]:
+    from lookahead_opd.integrations.opd.tasks import load_task
+
     from .compare import run_variant
-    from .tasks import load_task
 
     task = load_task(cfg.task)
     config = OPDConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(OPDConfig)},
@@ -158,14 +160,30 @@ def export_models(student: Path, teacher: Path, export_dir: Path) -> tuple[Path,
     return out[0], out[1]
 
 
+def check_demo(cfg: DemoConfig) -> DemoConfig:
+    """``cfg`` as it runs (``apply_quick``), after every check that can run before anything is
+    built or loaded, once: those of a training run (``train.check_run``; the models are the
+    demo's own, so ``student`` and ``teacher`` are not checked) and the output folders."""
+    from lookahead_opd.integrations.opd.train import check_run
+
+    cfg = cfg.apply_quick()
+    check_run(cfg, check_paths=False)
+    check_output_dir(cfg.output_dir)
+    check_output_dir(str(cfg.models_dir()), "export_dir")
+    return cfg
+
+
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Load (or build) the pair, run ``cfg.plan()``, write and return the results."""
+    """Check ``cfg`` (``check_demo``), load (or build) the pair, run ``cfg.plan()``, write and
+    return the results."""
+    return _run_demo(check_demo(cfg))
+
+
+def _run_demo(cfg: DemoConfig) -> dict[str, Any]:
     import torch
 
     from .zoo import build_pair
 
-    cfg = cfg.apply_quick()
-    cfg.validate()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -345,8 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     try:  # bad input: one clear line and status 2, before anything is built or loaded
-        cfg = parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo")
-        cfg.validate()
+        cfg = check_demo(parse_dataclass(DemoConfig, list(argv or []), prog="lookahead-opd demo"))
     except ValueError as err:
         print(f"lookahead-opd demo: {err}", file=sys.stderr)
         return 2
@@ -354,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(cfg.threads)
     if not cfg.progress:
         quiet_loading_bars()
-    results = run_demo(cfg)
+    results = _run_demo(cfg)
     print(format_table(results))
     print(f"\nwrote {Path(cfg.output_dir) / 'results.json'} and accuracy_vs_step.png")
     return 0 if not math.isnan(results["teacher_accuracy"]) else 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .optimizer import ExtrapolatingOptimizer
+from lookahead_opd.optimizer import ExtrapolatingOptimizer
 
 __all__ = ["ToyResult", "run_toy", "format_result", "main"]
 
@@ -101,7 +101,7 @@ def format_result(result: ToyResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .cli import ArgumentParser
+    from lookahead_opd.integrations.cli import ArgumentParser
 
     parser = ArgumentParser(prog="lookahead-opd toy", description=__doc__)
     parser.add_argument("--steps", type=int, default=256, help="SGD steps of each run")

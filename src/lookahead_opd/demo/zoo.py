@@ -41,14 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lookahead_opd.integrations.cli_support import check_device
+from lookahead_opd.integrations.model_sources import cache_root
+from lookahead_opd.integrations.opd.tasks import SPLITS, Problem, Task, load_task
+from lookahead_opd.integrations.opd.tokenizer import char_tokenizer, save_tokenizer
 from lookahead_opd.options import check_choice
 
-from ..cli_support import check_device
-from ..model_sources import cache_root
-from .tasks import SPLITS, Problem, Task, load_task
-from .tokenizer import char_tokenizer, save_tokenizer
-
-__all__ = ["ZOO_SIZES", "SHIPPED_PAIRS", "ZooPair", "context_length", "make_model", "pretrain", "greedy_accuracy",
+__all__ = ["ZOO_SIZES", "SHIPPED_PAIRS", "ZooPair", "context_length", "make_model", "pretrain",
            "build_pair", "remove_stale_builds", "weight_distance", "rl_rejections", "TEACHER_REGIMES", "BASE_RANGE",
            "TEACHER_MIN", "RL_BASE_RANGE", "RL_MIN_GAIN", "RL_MAX_DISTANCE_RATIO", "RL_SETTINGS"]
 
@@ -137,7 +136,7 @@ def _sft_batch(tokenizer: Any, problems: list[Problem], task: Task) -> tuple[tor
     """Right-padded ``<bos> prompt answer <eos>`` (BOS as the engines add it) with labels on
     the answer and EOS only. The attention mask comes from each row's length, not from the pad
     id: in ChatML models eos = pad, and the prompt's own ``<|im_end|>`` tokens must be seen."""
-    from .engines import tokenize_prompts
+    from lookahead_opd.integrations.opd.engines import tokenize_prompts
 
     rows, labels = [], []
     prompts = tokenize_prompts(tokenizer, [p.prompt for p in problems])
@@ -152,17 +151,6 @@ def _sft_batch(tokenizer: Any, problems: list[Problem], task: Task) -> tuple[tor
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
     return ids, mask, lab
-
-
-def greedy_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,
-                    batch_size: int = 512, max_new_tokens: int | None = None) -> float:
-    """Exact-match accuracy of ``model``'s greedy completions (``scoring.greedy_accuracy``
-    through an ``HFEngine`` over the module)."""
-    from . import scoring
-    from .engines import HFEngine
-
-    return scoring.greedy_accuracy(HFEngine(model, tokenizer, batch_size=batch_size), task, problems,
-                                   max_new_tokens or task.max_new_tokens)
 
 
 def pretrain(model: nn.Module, tokenizer: Any, task: Task, *, steps: int, batch_size: int = 128,
@@ -406,7 +394,9 @@ class _Builder:
         return task.problems("test", min(200, len(test)), seed=self.seed)
 
     def acc(self, model: nn.Module, task: Task, problems: list[Problem] | None = None) -> float:
-        return greedy_accuracy(model, self.tokenizer, task, problems or task.problems("test"))
+        from lookahead_opd.integrations.opd.scoring import model_accuracy
+
+        return model_accuracy(model, self.tokenizer, task, problems or task.problems("test"))
 
     def check(self, ok: bool, message: str) -> None:
         if not ok:
@@ -540,9 +530,9 @@ class _Builder:
                 "attempts": attempts, "rl_settings": RL_SETTINGS, "seconds": self.seconds}
 
     def drgrpo(self, base: nn.Module, target: float) -> tuple[nn.Module, int]:
-        from .config import OPDConfig
-        from .engines import HFEngine
-        from .trainer import OPDTrainer
+        from lookahead_opd.integrations.opd.config import OPDConfig
+        from lookahead_opd.integrations.opd.engines import HFEngine
+        from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
         s = RL_SETTINGS
         policy, frozen = copy.deepcopy(base), copy.deepcopy(base)  # the teacher slot is only measured
@@ -553,6 +543,7 @@ class _Builder:
                            gate_size=min(50, len(self.task.problems("gate"))),  # unused, checked
                            stop_at_accuracy=target, output_dir=str(self.work / "drgrpo"),
                            seed=self.seed, progress=self.progress, device=str(self.device))
+        config.validate()
         t = time.perf_counter()
         trainer = OPDTrainer(config, policy, frozen, self.task,
                              HFEngine(policy, self.tokenizer, batch_size=512), tokenizer=self.tokenizer)
@@ -562,7 +553,7 @@ class _Builder:
         return policy, trainer.step
 
     def rft(self, base: nn.Module, target: float) -> tuple[nn.Module, int]:
-        from .engines import HFEngine
+        from lookahead_opd.integrations.opd.engines import HFEngine
 
         s = RL_SETTINGS
         t = time.perf_counter()

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lookahead_opd.integrations.opd.config import DTYPES, parse_dataclass
+from lookahead_opd.integrations.cli_support import parse_dataclass
+from lookahead_opd.integrations.opd.config import DTYPES
 from lookahead_opd.integrations.opd.tasks import SPLITS
 from lookahead_opd.options import check_fields, option
 
@@ -69,9 +70,13 @@ class DiagnoseConfig:
 
     def validate(self, *, check_paths: bool = True) -> None:
         """Raise ``ValueError`` naming the first bad option; nothing is loaded but the task."""
+        from lookahead_opd.integrations.cli_support import (
+            check_device,
+            check_model_ref,
+            check_output_dir,
+        )
         from lookahead_opd.integrations.opd.tasks import load_task
 
-        from ..cli_support import check_device, check_model_ref, check_output_dir
         from .diagnose import check_options
         from .teachers import parse_teacher_spec
 
@@ -131,9 +136,9 @@ def prepare(config: DiagnoseConfig):
     config.validate()
     from transformers import AutoTokenizer
 
+    from lookahead_opd.integrations.model_sources import resolve_model
     from lookahead_opd.integrations.opd.vocab import check_vocab_compatible
 
-    from ..model_sources import resolve_model
     from .teachers import parse_teacher_spec
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.student))
@@ -157,10 +162,10 @@ def run(config: DiagnoseConfig, tokenizer: Any = None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from lookahead_opd.integrations.model_sources import resolve_model
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import load_task
 
-    from ..model_sources import resolve_model
     from .diagnose import diagnose
 
     if tokenizer is None:
@@ -184,7 +189,7 @@ def run(config: DiagnoseConfig, tokenizer: Any = None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from ..cli_support import quiet_loading_bars
+    from lookahead_opd.integrations.cli_support import quiet_loading_bars
 
     try:  # bad input: one clear line and status 2, before any weights load
         config = parse_config(argv)

@@ -152,7 +152,7 @@ def _load_teacher(path: str, tokenizer: Any, dtype: torch.dtype | None, device: 
                   name: str) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..model_sources import resolve_model
+    from lookahead_opd.integrations.model_sources import resolve_model
 
     path = resolve_model(path)
     try:

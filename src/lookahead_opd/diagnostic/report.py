@@ -54,7 +54,7 @@ def bootstrap_mean(values: list[float], *, resamples: int = 1000, seed: int = 0,
 
 @dataclass
 class DiagnosticReport:
-    """The result of :func:`~lookahead_opd.integrations.teacher_selection.diagnose`.
+    """The result of :func:`~lookahead_opd.diagnostic.diagnose`.
 
     ``nodes`` holds one dict per scored node (question, sample, depth, rollout_correct,
     candidates, student probabilities, ``p_succ``, ``counts``, ``value``, ``informative``, and

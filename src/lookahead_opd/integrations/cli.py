@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 # name -> (module with a ``main(argv) -> int``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "diagnose": ("lookahead_opd.integrations.teacher_selection.cli", "rank OPD teachers without training: the per-token gradient diagnostic"),
-    "demo": ("lookahead_opd.integrations.opd.demo", "the main job: plain OPD vs EffOPD on a tiny model, measured"),
+    "diagnose": ("lookahead_opd.diagnostic.cli", "rank OPD teachers without training: the per-token gradient diagnostic"),
+    "demo": ("lookahead_opd.demo.run", "the main job: plain OPD vs EffOPD on a tiny model, measured"),
     "train": ("lookahead_opd.integrations.opd.train", "OPD / EffOPD on any Hugging Face causal LMs"),
     "check": ("lookahead_opd.integrations.opd.check", "the preflight of a train run (same options): "
               "tokenizers, template, teacher temperature, identity"),
-    "toy": ("lookahead_opd.toy", "torch-only example: a small MLP trained plain and wrapped"),
+    "toy": ("lookahead_opd.demo.toy", "torch-only example: a small MLP trained plain and wrapped"),
 }
 
 _USAGE = "usage: lookahead-opd {" + ",".join(COMMANDS) + "} [options]   (-h after a command for its options)"

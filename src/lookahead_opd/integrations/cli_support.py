@@ -1,7 +1,7 @@
-"""What the Hugging Face-based commands (``train``, ``demo``, ``diagnose``) share besides their
-parser (``opd.config.parse_dataclass``): the checks of paths, devices and model ids that run
-before any model loads, and the process-wide setting that a command makes, never a library
-function (the model loading and writing bars).
+"""What the Hugging Face-based commands (``train``, ``check``, ``demo``, ``diagnose``) share: the
+parser generated from a config dataclass (``parse_dataclass``), the checks of paths, devices and
+model ids that run before any model loads, and the process-wide setting that a command makes,
+never a library function (the model loading and writing bars).
 
 Every check raises ``ValueError`` naming the bad value and what is accepted; the commands print
 it on one line and exit with status 2.
@@ -9,10 +9,15 @@ it on one line and exit with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import typing
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-__all__ = ["check_output_dir", "check_device", "check_model_ref", "quiet_loading_bars"]
+__all__ = ["parse_dataclass", "check_output_dir", "check_device", "check_model_ref",
+           "quiet_loading_bars"]
 
 
 def check_output_dir(path: str, option: str = "output_dir") -> None:
@@ -111,3 +116,48 @@ def quiet_loading_bars() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     huggingface_hub.utils.disable_progress_bars()
+
+
+def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
+                    defaults: dict[str, Any] | None = None, epilog: str | None = None) -> Any:
+    """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
+    field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
+    fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
+    checked by the config itself, with its own messages. A parse error is one line (a
+    ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
+    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
+    named in ``cls.CLI_HIDDEN`` (ones the command sets itself) get no flag and keep their
+    defaults."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    from .cli import ArgumentParser
+
+    class Parser(ArgumentParser, HfArgumentParser):
+        pass
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    hints = typing.get_type_hints(cls)
+    hidden = set(getattr(cls, "CLI_HIDDEN", ()))
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in hidden}
+    plain = dataclasses.make_dataclass(cls.__name__, [
+        (f.name, hints[f.name], dataclasses.field(
+            default=f.default, default_factory=f.default_factory,
+            metadata={"help": f.metadata.get("help", "")}))
+        for f in fields.values()])
+    parser = Parser(plain, prog=prog, epilog=epilog, formatter_class=Formatter)
+    if defaults:
+        parser.set_defaults(**defaults)
+    for action in parser._actions:  # HfArgumentParser gives --no_x the help of --x
+        if isinstance(action, argparse._StoreFalseAction) and action.dest in fields:
+            meta = fields[action.dest].metadata
+            action.help = meta.get("negated_help") or f"turn off: {meta.get('help', '')}"
+            action.default = argparse.SUPPRESS  # --x holds the default; no "(default: ...)"
+    parsed, rest = parser.parse_args_into_dataclasses(args=list(args),
+                                                      return_remaining_strings=True)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return cls(**{name: getattr(parsed, name) for name in fields})

@@ -1,9 +1,12 @@
 """``OPDConfig``: every option of an on-policy distillation run, one name everywhere.
 
-The ``lookahead-opd train`` CLI is generated from this dataclass with ``HfArgumentParser``
-(TRL's convention), and ``--config run.yaml`` fills it from a file (command-line flags win).
-``validate()`` checks what can be checked before any model loads, so a bad run fails in one
-line and not after minutes of loading.
+The ``lookahead-opd train`` CLI is generated from this dataclass (``train.parse_config``:
+``HfArgumentParser``, TRL's convention), and ``--config run.yaml`` fills it from a file
+(command-line flags win). ``validate()`` checks the config's own values and nothing else: it
+imports no other module of the package but ``lookahead_opd.options``, so importing the config
+pulls in no loop. What needs the rest of the package (the optimizer, the task, the teacher
+servers, the output folder, the model references) is checked once where a run is built,
+``train.check_run`` (called by ``train.build_trainer``), before any model loads.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import typing
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,9 @@ from lookahead_opd.options import (
     config_fields,
     option,
 )
-from lookahead_opd.selection import PARAM_SELECTORS
 
-from ..cli_support import check_device, check_model_ref, check_output_dir
-from .losses import DEFAULT_TOPK, LOSSES
-
-__all__ = ["OPDConfig", "EffOPDOptions", "parse_config", "parse_dataclass", "with_defaults"]
+__all__ = ["OPDConfig", "EffOPDOptions", "with_defaults", "DTYPES", "LOSS_NAMES",
+           "PARAM_SELECTOR_NAMES", "LOSS_OPTIONS"]
 
 _ENGINES = ("hf", "vllm")
 _GATES = ("accuracy", "neg_kl", "none")
@@ -37,6 +35,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 _REPORT_TO = ("none", "tensorboard", "wandb")
 _FSDP_TEACHER = ("replicate", "shard")
 _MIXED_PRECISION = ("none", "bfloat16", "float16")
+# The names the loop's registries define, repeated here so that the config imports none of
+# them (tests/integrations/test_config.py checks they agree): ``losses.LOSSES``'s keys, the
+# options any loss reads (``losses.LOSS_INPUTS``), the top-k losses' default k
+# (``losses.DEFAULT_TOPK``) and ``lookahead_opd.selection.PARAM_SELECTORS``'s keys.
+LOSS_NAMES = ("reverse_kl_pg", "reverse_kl", "jsd", "topk_forward_kl", "topk_reverse_kl",
+              "topk_jsd", "drgrpo")
+LOSS_OPTIONS = ("discount", "jsd_beta", "topk")
+_DEFAULT_TOPK = 20
+PARAM_SELECTOR_NAMES = ("trainable", "transformer_blocks")
 
 
 # The options of the gated search, from the core's ``ExtrapolationOptions``: every one of them
@@ -99,10 +106,10 @@ class OPDConfig(EffOPDOptions):
     loss: str = option("reverse_kl_pg", "distillation loss (drgrpo: RL on the task's exact-match "
                        "reward, group-mean baseline; needs num_samples >= 2; topk_*: over the "
                        "teacher's --topk tokens and one tail bucket, which a served teacher "
-                       "gives)", choices=tuple(LOSSES))
+                       "gives)", choices=LOSS_NAMES)
     jsd_beta: float = option(0.5, "jsd and topk_jsd losses: 0 = forward KL, 1 = reverse KL (TRL "
                              "convention)")
-    topk: int = option(DEFAULT_TOPK, "topk_* losses, and the -KL gate of a served teacher: the "
+    topk: int = option(_DEFAULT_TOPK, "topk_* losses, and the -KL gate of a served teacher: the "
                        "teacher's k most likely tokens read at each position, the rest of the "
                        "vocabulary one tail bucket (a served teacher's --max-logprobs must "
                        "allow k)", minimum=1)
@@ -136,7 +143,7 @@ class OPDConfig(EffOPDOptions):
     gate_size: int = option(50, "problems in the fixed gate set", minimum=1)
     extrapolate_params: str = option("trainable", "which weights jump (transformer_blocks: "
                                      "attention and MLP weights only, as the paper's code)",
-                                     choices=tuple(PARAM_SELECTORS))
+                                     choices=PARAM_SELECTOR_NAMES)
     # evaluation, checkpoints, logging
     eval_every: int = option(10, "evaluate greedy accuracy every N steps (0: only at the end)", minimum=0)
     eval_size: int = option(200, "problems in the held-out eval set", minimum=1)
@@ -177,30 +184,43 @@ class OPDConfig(EffOPDOptions):
                                       "rollouts: student-as-teacher gives a zero loss and gate, "
                                       "and the teacher's top-k mass for top-k losses")
 
-    def validate(self, *, check_paths: bool = True) -> None:
-        """Raise ``ValueError`` naming the first bad option; nothing is loaded."""
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option. The config's own values only
+        (their types, ranges and combinations); ``train.check_run`` checks the rest."""
         check_fields(self)
         ExtrapolationOptions.from_kwargs(self.extrapolation_options())
+        self._check_combinations()
+        self._check_ranges()
+        for name in self.report_to_list():
+            check_choice("report_to", name, _REPORT_TO)
+        if self.batch_size * self.num_samples % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"batch_size*num_samples ({self.batch_size * self.num_samples}) must be divisible "
+                f"by gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+            )
+        self._check_teachers()
+
+    def _check_combinations(self) -> None:
+        """Options that exclude one another."""
         if self.fsdp and self.ema_decay is not None:
             raise ValueError("ema_decay is not supported with fsdp (the average would be a full "
                              "replica of the student on every rank); drop --ema_decay")
         if self.fsdp and self.train_top_blocks:
             raise ValueError("train_top_blocks is not supported with fsdp (a sharded block mixes "
                              "frozen and trained weights); drop one of them")
+        if self.loss == "drgrpo" and self.num_samples < 2:
+            raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("resume and overwrite_output_dir contradict each other; give one")
+
+    def _check_ranges(self) -> None:
+        """Numbers outside the range their option has a meaning in."""
         if self.ema_decay is not None and not 0 < self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        from .optimizers import optimizer_factory, optimizer_kwargs
-
-        optimizer_factory(self.optimizer)  # imports it: a bad name fails here, before any model
-        optimizer_kwargs(self.optimizer_kwargs)
         if self.loss_chunk_size is not None and self.loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size must be >= 0 (0: dense), got {self.loss_chunk_size}")
-        if self.loss == "drgrpo" and self.num_samples < 2:
-            raise ValueError("loss=drgrpo needs num_samples >= 2 (the baseline is the group mean)")
-        for name in self.report_to_list():
-            check_choice("report_to", name, _REPORT_TO)
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature <= 0:
@@ -213,23 +233,8 @@ class OPDConfig(EffOPDOptions):
             raise ValueError(f"jsd_beta must be in [0, 1], got {self.jsd_beta}")
         if not 0 <= self.discount <= 1:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}")
-        if self.batch_size * self.num_samples % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"batch_size*num_samples ({self.batch_size * self.num_samples}) must be divisible "
-                f"by gradient_accumulation_steps ({self.gradient_accumulation_steps})"
-            )
-        check_device(self.device)
-        self._check_teachers()
-        from .tasks import load_task
-
-        load_task(self.task)  # unknown tasks and bad options fail here, before any model
-        if check_paths:
-            check_output_dir(self.output_dir)
-            self._check_earlier_run()
-            check_model_ref("student", self.student)
-            for name, ref in self.teacher_refs().items():
-                if not isinstance(ref, list):
-                    check_model_ref("teacher" if name is None else f"teacher {name}", ref)
+        if self.teacher_timeout <= 0:
+            raise ValueError(f"teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
 
     def teacher_refs(self) -> dict[str | None, str | list[str]]:
         """Every teacher by name (``None``: the run's only teacher): a model reference
@@ -257,19 +262,9 @@ class OPDConfig(EffOPDOptions):
         exist)."""
         return any(isinstance(r, list) for r in self.teacher_refs().values())
 
-    def teacher_top_k(self) -> int:
-        """The most log-probs per position a served teacher is asked for (0: the sampled
-        token's only), which its ``--max-logprobs`` must allow: the loss's top-k, and the −KL
-        gate's, which reads the top-k of a teacher that gives no more."""
-        from .losses import teacher_needs
-
-        gate = self.topk if self.extrapolate and self.gate == "neg_kl" else 0
-        return max(teacher_needs(self.loss, self).k, gate)
-
     def _check_teachers(self) -> None:
-        """One way to name the teacher(s), and what a served one cannot do, in one line each."""
-        from .served import check_url
-
+        """One way to name the teacher(s), and what a served one or several cannot do, in one
+        line each (``train.check_run`` adds the URLs' form and the loss's needs)."""
         given = [flag for flag, v in (("--teacher", self.teacher), ("--teacher_url",
                  self.teacher_url), ("--teachers", self.teachers)) if v]
         if len(given) > 1:
@@ -284,54 +279,24 @@ class OPDConfig(EffOPDOptions):
         if self.default_teacher is not None and self.default_teacher not in refs:
             raise ValueError(f"default_teacher {self.default_teacher!r} is not one of --teachers "
                              f"({', '.join(map(str, refs))})")
-        for ref in refs.values():
-            for url in ref if isinstance(ref, list) else ():
-                check_url(url)
-        if self.teacher_timeout <= 0:
-            raise ValueError(f"teacher_timeout must be > 0 seconds, got {self.teacher_timeout}")
-        if not (self.served_teacher() or self.teachers):
-            return
-        from .losses import teacher_needs
-
-        # A server sends log-probs (the sampled tokens' or the top-k), not logits; several
-        # teachers' logits are not combined (src/lookahead_opd/integrations/opd/routing.py).
-        which = "a served teacher" if self.served_teacher() else "--teachers"
-        if teacher_needs(self.loss).level == "full":
-            raise ValueError(f"loss={self.loss} needs the teacher's full distribution, which "
-                             f"{which} does not give; use --loss reverse_kl_pg (the sampled "
-                             f"tokens' log-probs), a topk_* loss (the top-k) or one in-process "
-                             f"--teacher")
         # One served teacher scores the gate by its top-k (OPDTrainer.gate_reverse_kl); the
         # gate rollouts are not routed over several teachers.
         if self.teachers and self.extrapolate and self.gate == "neg_kl":
             raise ValueError("gate=neg_kl scores the gate rollouts with one teacher, and "
                              "--teachers gives several; use --gate accuracy (or one --teacher "
                              "or --teacher_url)")
-        if self.fsdp and self.fsdp_teacher == "shard":
+        if (self.served_teacher() or self.teachers) and self.fsdp and self.fsdp_teacher == "shard":
             raise ValueError("fsdp_teacher=shard shards an in-process teacher; a served teacher "
                              "has none to shard")
-
-    def _check_earlier_run(self) -> None:
-        """Refuse to overwrite an earlier run by accident (as the HF Trainer's scripts do)."""
-        from .checkpoint import earlier_run
-
-        if self.resume and self.overwrite_output_dir:
-            raise ValueError("resume and overwrite_output_dir contradict each other; give one")
-        found = earlier_run(Path(self.output_dir))
-        if found and not (self.resume or self.overwrite_output_dir):
-            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
-            raise ValueError(f"output_dir {self.output_dir} holds an earlier run ({shown}); "
-                             f"continue it with --resume, or delete it with "
-                             f"--overwrite_output_dir")
 
     def extrapolation_options(self) -> dict[str, Any]:
         """The ``ExtrapolatingOptimizer`` keyword options this config sets."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(EffOPDOptions)}
 
-    def extrapolation_params(self, model: Any) -> Any:
-        """``params=`` of the ``ExtrapolatingOptimizer``: the ``extrapolate_params`` selection
-        of ``model``'s parameters."""
-        return PARAM_SELECTORS[self.extrapolate_params](model)
+    def loss_options(self) -> dict[str, Any]:
+        """The options the losses read (``LOSS_OPTIONS``), by name: what
+        ``losses.compute_loss`` and ``losses.teacher_needs`` take as ``options``."""
+        return {name: getattr(self, name) for name in LOSS_OPTIONS}
 
     def report_to_list(self) -> list[str]:
         return [s.strip() for s in self.report_to.split(",") if s.strip() and s.strip() != "none"]
@@ -355,93 +320,3 @@ def with_defaults(cls: type, **defaults: Any) -> type:
         for name, value in defaults.items()], bases=(cls,))
     sub.__module__ = cls.__module__  # where the field types (strings) resolve
     return sub
-
-
-def parse_config(argv: Sequence[str] | None = None, *, epilog: str | None = None,
-                 prog: str = "lookahead-opd train") -> OPDConfig:
-    """Build an ``OPDConfig`` from ``--config FILE.yaml|json`` and flags (flags win);
-    ``epilog`` ends ``--help``; ``prog`` is the command (``train``, ``check``)."""
-    args = list(argv or [])
-    base: dict[str, Any] = {}
-    if "--config" in args:
-        i = args.index("--config")
-        if i + 1 >= len(args):
-            raise ValueError("--config needs a file path")
-        base = _read_config_file(args[i + 1])
-        del args[i : i + 2]
-    return parse_dataclass(OPDConfig, args, prog=prog,
-                           defaults=dataclasses.asdict(OPDConfig(**base)), epilog=epilog)
-
-
-def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
-                    defaults: dict[str, Any] | None = None, epilog: str | None = None) -> Any:
-    """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
-    field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
-    fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
-    checked by the config itself, with its own messages. A parse error is one line (a
-    ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
-    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
-    named in ``cls.CLI_HIDDEN`` (ones the command sets itself) get no flag and keep their
-    defaults."""
-    import argparse
-
-    from transformers import HfArgumentParser
-
-    from lookahead_opd.cli import ArgumentParser
-
-    class Parser(ArgumentParser, HfArgumentParser):
-        pass
-
-    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-        pass
-
-    hints = typing.get_type_hints(cls)
-    hidden = set(getattr(cls, "CLI_HIDDEN", ()))
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in hidden}
-    plain = dataclasses.make_dataclass(cls.__name__, [
-        (f.name, hints[f.name], dataclasses.field(
-            default=f.default, default_factory=f.default_factory,
-            metadata={"help": f.metadata.get("help", "")}))
-        for f in fields.values()])
-    parser = Parser(plain, prog=prog, epilog=epilog, formatter_class=Formatter)
-    if defaults:
-        parser.set_defaults(**defaults)
-    for action in parser._actions:  # HfArgumentParser gives --no_x the help of --x
-        if isinstance(action, argparse._StoreFalseAction) and action.dest in fields:
-            meta = fields[action.dest].metadata
-            action.help = meta.get("negated_help") or f"turn off: {meta.get('help', '')}"
-            action.default = argparse.SUPPRESS  # --x holds the default; no "(default: ...)"
-    parsed, rest = parser.parse_args_into_dataclasses(args=list(args),
-                                                      return_remaining_strings=True)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return cls(**{name: getattr(parsed, name) for name in fields})
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    text = p.read_text()
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(err, "problem", None) or type(err).__name__
-            raise ValueError(f"config file {path} is not valid YAML{where}: {problem}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"config file {path} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping of option: value")
-    known = {f.name for f in dataclasses.fields(OPDConfig)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) in {path}: {', '.join(unknown)}")
-    return data

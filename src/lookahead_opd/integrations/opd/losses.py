@@ -689,8 +689,9 @@ class TokenScores:
 class LossInputs:
     """What a loss of ``LOSSES`` needs. Every loss is called the same way,
     ``loss(student, reference, mask, num_tokens=..., **options)``: ``select`` picks the
-    ``(student, reference)`` pair from ``TokenScores``, ``options`` names the config field of
-    each extra keyword (``{loss keyword: config field}``), ``teacher`` is what the loss (its
+    ``(student, reference)`` pair from ``TokenScores``, ``options`` names the run option of
+    each extra keyword (``{loss keyword: option name}``, the names of ``OPDConfig``'s fields,
+    given to ``compute_loss`` as ``options``), ``teacher`` is what the loss (its
     metrics included) reads from the teacher."""
 
     select: Callable[[TokenScores], tuple[Any, Any]]
@@ -719,27 +720,29 @@ LOSS_INPUTS: dict[str, LossInputs] = {k: inputs for k, (_, inputs) in _REGISTRY.
 
 
 def compute_loss(name: str, scores: TokenScores, *, num_tokens: NumTokens = None,
-                 config: Any = None) -> LossOutput:
-    """The loss ``name`` of ``scores``, its options read from ``config`` (an ``OPDConfig``;
-    None: the loss's defaults). Every loss reports ``reverse_kl``: one that does not compute
-    it (the RL baseline, the top-k losses) gets the sampled-token estimate, measured without
-    gradient."""
+                 options: Mapping[str, Any] | None = None) -> LossOutput:
+    """The loss ``name`` of ``scores``. ``options`` holds the run's loss options by their
+    config names (``discount``, ``jsd_beta``, ``topk``: ``OPDConfig.loss_options()``); the loss
+    reads the ones ``LOSS_INPUTS`` names for it, and a missing one keeps the loss's default.
+    Every loss reports ``reverse_kl``: one that does not compute it (the RL baseline, the
+    top-k losses) gets the sampled-token estimate, measured without gradient."""
     key = _loss_key(name)
     spec = LOSS_INPUTS[key]
-    options = {} if config is None else {k: getattr(config, v) for k, v in spec.options.items()}
+    given = options or {}
+    kwargs = {k: given[v] for k, v in spec.options.items() if v in given}
     student, reference = spec.select(scores)
-    out = LOSSES[key](student, reference, scores.mask, num_tokens=num_tokens, **options)
+    out = LOSSES[key](student, reference, scores.mask, num_tokens=num_tokens, **kwargs)
     if "reverse_kl" not in out.metrics:
         out.metrics["reverse_kl"] = scores.sampled_reverse_kl()
     return out
 
 
-def teacher_needs(name: str, config: Any = None) -> TeacherNeeds:
+def teacher_needs(name: str, options: Mapping[str, Any] | None = None) -> TeacherNeeds:
     """What the loss ``name`` reads from the teacher (``LossInputs.teacher``); a top-k loss
-    asks for the ``k`` its option names in ``config`` (None: ``DEFAULT_TOPK``)."""
+    asks for the ``k`` its option (``topk``) has in ``options`` (absent: ``DEFAULT_TOPK``)."""
     spec = LOSS_INPUTS[_loss_key(name)]
-    if spec.teacher.level == "topk" and config is not None:
-        return TeacherNeeds.topk(getattr(config, spec.options["k"]))
+    if spec.teacher.level == "topk" and options and spec.options["k"] in options:
+        return TeacherNeeds.topk(options[spec.options["k"]])
     return spec.teacher
 
 

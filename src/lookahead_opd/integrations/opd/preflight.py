@@ -449,7 +449,7 @@ def check_topk_mass(topk_logprobs: torch.Tensor, mask: torch.Tensor, k: int,
 def _topk_finding(trainer: Any, problems: list[Problem], rollout: Rollout) -> Finding | None:
     """``check_topk_mass`` of the run's teacher on ``rollout`` (None unless the loss reads
     top-k log-probs)."""
-    needs = teacher_needs(trainer.config.loss, trainer.config)  # a top-k loss: its --topk
+    needs = teacher_needs(trainer.config.loss, trainer.loss_options)  # a top-k loss: its --topk
     if needs.level != "topk":
         return None
     teacher: Teacher = trainer.teacher_scorer

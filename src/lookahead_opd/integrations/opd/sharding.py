@@ -35,7 +35,7 @@ def require_process_group() -> None:
     """Raise a one-line ``ValueError`` unless a ``torch.distributed`` group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("fsdp needs a torch.distributed process group: run under torchrun "
-                         "(torchrun --nproc-per-node N -m lookahead_opd.cli train --fsdp ...)")
+                         "(torchrun --nproc-per-node N -m lookahead_opd.integrations.cli train --fsdp ...)")
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

@@ -141,6 +141,10 @@ class Teacher(ABC):
         """Score ``sequences`` ``[B, T]`` (left-padded prompts, right-padded completions, the
         ``Rollout`` layout) for what ``needs`` asks; no gradient."""
 
+    def set_step(self, step: int | None) -> None:  # noqa: B027 - optional hook
+        """The training step the next scores are for (as logged), which a teacher that can fail
+        (a served one) names in its error; the trainer calls it before each step's scoring."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free the teacher's resources (connections, processes)."""
 

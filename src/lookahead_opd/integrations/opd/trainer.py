@@ -34,6 +34,7 @@ from torch import nn
 
 from lookahead_opd import ExtrapolatingOptimizer, Summary
 from lookahead_opd.distributed import resharding
+from lookahead_opd.selection import PARAM_SELECTORS
 
 from .checkpoint import (
     clear_earlier_run,
@@ -65,7 +66,7 @@ from .tasks import Problem, Task
 from .teacher import ModelTeacher, Teacher, TeacherNeeds, TeacherScores
 from .vocab import check_vocab_compatible
 
-__all__ = ["OPDTrainer", "TrainResult"]
+__all__ = ["OPDTrainer", "TrainResult", "RunProblems", "run_problems"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,31 @@ class TrainResult:
     summary: Summary | None = None
 
 
+@dataclass(frozen=True)
+class RunProblems:
+    """A run's problems, built once (``run_problems``) and handed to whatever needs them
+    (``OPDTrainer``, the served teachers' probe, the router's check), all ranks' together:
+    ``train`` (every training problem, in the seed's order), ``gate`` (the fixed gate set;
+    None where there is no gate: built at first use) and ``eval`` (the held-out set)."""
+
+    train: list[Problem]
+    gate: list[Problem] | None
+    eval: list[Problem]
+
+
+def run_problems(task: Task, config: OPDConfig) -> RunProblems:
+    """``config``'s problems of ``task``; a split too small for what the config asks fails in
+    one line naming the flag (``batch_size``, ``gate_size``, ``eval_size``)."""
+    train = task.problems("train", seed=config.seed)
+    if len(train) < config.batch_size:
+        raise ValueError(f"batch_size {config.batch_size} exceeds the {len(train)} "
+                         f"training problems of task {task.name!r}")
+    gate = (_sample(task, "gate", config.gate_size, config.seed, "--gate_size")
+            if config.gated() else None)
+    return RunProblems(train, gate,
+                       _sample(task, "test", config.eval_size, config.seed, "--eval_size"))
+
+
 class OPDTrainer:
     """On-policy distillation of ``student`` toward ``teacher`` on ``task``.
 
@@ -89,7 +115,11 @@ class OPDTrainer:
     candidates, evaluations). ``teacher`` is an ``nn.Module`` (scored in process,
     ``ModelTeacher``) or any ``Teacher``; ``self.teacher_scorer`` is the ``Teacher`` the
     loss and the gate read. ``tokenizer`` defaults to ``engine.tokenizer``. ``callbacks`` are
-    called with each step's metrics dict.
+    called with each step's metrics dict. ``problems`` are the run's (``run_problems``, built
+    here when not given).
+
+    ``config`` must be valid: ``train.build_trainer`` checks it (``train.check_run``) before it
+    loads any model; whoever builds an ``OPDTrainer`` directly calls ``config.validate()``.
     """
 
     def __init__(
@@ -103,74 +133,25 @@ class OPDTrainer:
         tokenizer: Any = None,
         callbacks: list[Callable[[dict[str, Any]], None]] | None = None,
         optimizer_factory: OptimizerFactory | None = None,
+        problems: RunProblems | None = None,
     ) -> None:
-        config.validate(check_paths=False)
         self.optimizer_factory = optimizer_factory  # replaces config.optimizer when given
         self.config, self.student, self.teacher, self.task, self.engine = (
             config, student, teacher, task, engine)
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.callbacks = list(callbacks or [])
+        self.loss_options = config.loss_options()
         teacher_model = teacher.model if isinstance(teacher, ModelTeacher) else teacher
         self.vocab_size = check_vocab_compatible(
             student, teacher_model if isinstance(teacher_model, nn.Module) else teacher.vocab_size,
             tokenizer=self.tokenizer)
         self.max_new_tokens = config.max_new_tokens or task.max_new_tokens
         self.output_dir = Path(config.output_dir)
-
-        # Data: fail on empty or too-small splits before any compute.
-        self.train_problems = task.problems("train", seed=config.seed)
-        if len(self.train_problems) < config.batch_size:
-            raise ValueError(f"batch_size {config.batch_size} exceeds the {len(self.train_problems)} "
-                             f"training problems of task {task.name!r}")
         self.ranks = Ranks.current()
         self.rank, self.world = self.ranks.rank, self.ranks.world
-        # The gate set now where there is a gate (a too-small gate split fails before any
-        # compute), else at first use (``gate_problems``): a plain run needs no gate split.
-        self._gate_problems: list[Problem] | None = None
-        if config.gated():
-            self._gate_problems = self.gate_problems
-        self.eval_problems = self.ranks.shard(_sample(task, "test", config.eval_size, config.seed,
-                                                      "--eval_size"))
-        if config.fsdp:
-            self._check_fsdp()
-        self.ranks.broadcast_weights(student)
-        if config.fsdp:
-            # Sharded after the broadcast, so every rank's shards come from rank 0's weights.
-            shard(student, train=True, mixed_precision=config.fsdp_mixed_precision,
-                  device=config.device)
-            if config.fsdp_teacher == "shard" and isinstance(teacher_model, nn.Module):
-                shard(teacher_model, train=False, mixed_precision=config.fsdp_mixed_precision,
-                      device=config.device)
-
-        if isinstance(teacher_model, nn.Module):
-            teacher_model.requires_grad_(False).eval()
-        # Rows per lm_head projection in the loss and the gate (0: dense logits), decided once
-        # from the largest micro-batch (or gate set) a rank can have, so every micro-batch and
-        # every rank agrees (under FSDP a chunked forward gathers the lm_head: a collective).
-        # gate_size counts even without a gate, so plain and EffOPD runs chunk alike.
-        rows = max(-(-config.batch_size * config.num_samples
-                     // (self.world * config.gradient_accumulation_steps)),
-                   -(-config.gate_size // self.world))
-        self.loss_chunk_size = loss_chunk_rows(config.loss_chunk_size, rows * self.max_new_tokens,
-                                               self.vocab_size)
-        self.teacher_scorer: Teacher = (
-            teacher if isinstance(teacher, Teacher)
-            else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
-        needs = teacher_needs(config.loss, config)
-        if needs.k > self.vocab_size:
-            raise ValueError(f"--topk {needs.k} exceeds the shared vocabulary of "
-                             f"{self.vocab_size} tokens; give --topk {self.vocab_size} or less")
-        self.teacher_scorer.check(needs, f"--loss {config.loss}")
-        # Several teachers: every problem's teacher is known before step 0 (one line if not).
-        self.router = teacher if isinstance(teacher, TeacherRouter) else None
-        self._row_teachers: list[str] = []
-        if self.router is not None:
-            for split, problems in (("training", self.train_problems),
-                                    ("gate", self._gate_problems or []),
-                                    ("eval", self.eval_problems)):
-                self.router.names(problems, what=f"{split} problems")
-        if config.extrapolate and config.gate == "neg_kl":
-            self.teacher_scorer.check(self._gate_needs(), "--gate neg_kl")
+        self._set_problems(problems or run_problems(task, config))
+        self._place_models(teacher_model)
+        self._set_teacher(teacher)
         student.train()
         if config.train_top_blocks:  # before the optimizer: it takes the trainable weights
             train_top_blocks(student, config.train_top_blocks)
@@ -194,6 +175,63 @@ class OPDTrainer:
         self.train_seconds = 0.0  # rollouts + scoring + updates + gate; periodic evals excluded
         self.metrics_log = MetricsLog(self.output_dir, config.report_to_list(),
                                       run_config=config.to_dict(), enabled=self.ranks.is_main)
+
+    def _set_problems(self, problems: RunProblems) -> None:
+        """The training problems (all ranks'), and this rank's share of the gate set (where
+        there is a gate, else built at first use, ``gate_problems``: a plain run needs no gate
+        split) and of the eval set. Their sizes were checked by ``run_problems``."""
+        self.train_problems = problems.train
+        self._gate_problems: list[Problem] | None = (
+            None if problems.gate is None else self.ranks.shard(problems.gate))
+        self.eval_problems = self.ranks.shard(problems.eval)
+
+    def _place_models(self, teacher_model: Any) -> None:
+        """Every rank starts from rank 0's student; with ``fsdp`` it is sharded (and the
+        teacher too with ``fsdp_teacher=shard``); the in-process teacher is frozen."""
+        c = self.config
+        if c.fsdp:
+            self._check_fsdp()
+        self.ranks.broadcast_weights(self.student)
+        if c.fsdp:
+            # Sharded after the broadcast, so every rank's shards come from rank 0's weights.
+            shard(self.student, train=True, mixed_precision=c.fsdp_mixed_precision,
+                  device=c.device)
+            if c.fsdp_teacher == "shard" and isinstance(teacher_model, nn.Module):
+                shard(teacher_model, train=False, mixed_precision=c.fsdp_mixed_precision,
+                      device=c.device)
+        if isinstance(teacher_model, nn.Module):
+            teacher_model.requires_grad_(False).eval()
+
+    def _set_teacher(self, teacher: nn.Module | Teacher) -> None:
+        """``teacher_scorer`` (and ``router`` with several teachers), after checking it gives
+        what the loss and the gate read and, with a router, that every problem has a teacher.
+        Rows per lm_head projection in the loss and the gate (0: dense logits) are decided
+        here once, from the largest micro-batch (or gate set) a rank can have, so every
+        micro-batch and every rank agrees (under FSDP a chunked forward gathers the lm_head: a
+        collective); gate_size counts even without a gate, so plain and EffOPD runs chunk
+        alike."""
+        c = self.config
+        rows = max(-(-c.batch_size * c.num_samples // (self.world * c.gradient_accumulation_steps)),
+                   -(-c.gate_size // self.world))
+        self.loss_chunk_size = loss_chunk_rows(c.loss_chunk_size, rows * self.max_new_tokens,
+                                               self.vocab_size)
+        self.teacher_scorer: Teacher = (
+            teacher if isinstance(teacher, Teacher)
+            else ModelTeacher(teacher, self.vocab_size, chunk_size=self.loss_chunk_size))
+        needs = teacher_needs(c.loss, self.loss_options)
+        if needs.k > self.vocab_size:
+            raise ValueError(f"--topk {needs.k} exceeds the shared vocabulary of "
+                             f"{self.vocab_size} tokens; give --topk {self.vocab_size} or less")
+        self.teacher_scorer.check(needs, f"--loss {c.loss}")
+        self.router = teacher if isinstance(teacher, TeacherRouter) else None
+        self._row_teachers: list[str] = []
+        if self.router is not None:
+            for split, problems in (("training", self.train_problems),
+                                    ("gate", self._gate_problems or []),
+                                    ("eval", self.eval_problems)):
+                self.router.names(problems, what=f"{split} problems")
+        if c.extrapolate and c.gate == "neg_kl":
+            self.teacher_scorer.check(self._gate_needs(), "--gate neg_kl")
 
     # ------------------------------------------------------------------ setup
     @property
@@ -237,7 +275,7 @@ class OPDTrainer:
         if c.fsdp:  # each candidate is written into the shards: the next forward must gather them
             gate = resharding(self.student, gate)
         return ExtrapolatingOptimizer(base, gate, mode="max",
-                                      params=c.extrapolation_params(self.student),
+                                      params=PARAM_SELECTORS[c.extrapolate_params](self.student),
                                       **c.extrapolation_options())
 
     def _timed_gate(self) -> float:
@@ -470,17 +508,17 @@ class OPDTrainer:
     def _micro_batch_loss(self, rollout: Rollout, rows: slice, num_tokens: int,
                           advantages: torch.Tensor):
         # On-policy: the student scored here is the sampler, so importance ratios are 1.
-        if hasattr(self.teacher_scorer, "step"):  # a served teacher names it in a failure
-            self.teacher_scorer.step = self.step + 1  # the step as logged
+        self.teacher_scorer.set_step(self.step + 1)  # the step as logged: named in a failure
         teacher = self.teacher_scorer
         if self.router is not None:
             teacher = self.router.for_rows(self._row_teachers[rows])
-        needs = teacher_needs(self.config.loss, self.config)
+        needs = teacher_needs(self.config.loss, self.loss_options)
         scores = score_tokens(self.student, teacher, rollout.sequences[rows],
                               rollout.attention_mask[rows], rollout.completion_mask[rows],
                               self.vocab_size, needs=needs, chunk_size=self.loss_chunk_size,
                               advantages=advantages, temperature=self.config.temperature)
-        out = compute_loss(self.config.loss, scores, num_tokens=num_tokens, config=self.config)
+        out = compute_loss(self.config.loss, scores, num_tokens=num_tokens,
+                           options=self.loss_options)
         if self.router is not None:  # each teacher's sampled-token reverse KL, summed per step
             with torch.no_grad():
                 ls, lt = scores.logprobs()
