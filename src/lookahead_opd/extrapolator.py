@@ -275,7 +275,9 @@ class Extrapolator:
         for avg, p in zip(self._averages, self._local(), strict=False):
             avg.lerp_(p.to(avg.device, torch.float32), w)
 
-    def _score(self) -> float:
+    def _score(self, stacklevel: int = 3) -> float:
+        """``eval_fn``'s score, reduced across ranks; warns when it is non-finite (``stacklevel``
+        for ``warnings.warn``: callers one frame deeper than ``search`` pass one more)."""
         raw = _to_score(self.eval_fn())
         score = distributed.reduce_score(raw, self.reduce, self.process_group)
         if not math.isfinite(score):
@@ -283,7 +285,7 @@ class Extrapolator:
                 f"eval_fn gave a non-finite score ({score}) at step {self.step_count}; "
                 "treated as a rejection",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return score
 
@@ -398,15 +400,9 @@ class Extrapolator:
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
         # Score W_t before the pass: it may write the first candidate into the weights.
-        best = record.score_before = self._score()
+        record.score_before = self._score()
         record.n_evals = 1
-        if not math.isfinite(best):
-            coefficients: tuple[float, ...] = ()
-        else:
-            coefficients = self.coefficients
-            if self.direction == "averaged" and self._window_count <= 1:
-                # A one-step window's average is W_t itself: c = 0 would tie s0.
-                coefficients = tuple(c for c in coefficients if c != 0)
+        coefficients = self._schedule(record.score_before)
         projecting = bool(coefficients) and self.direction_rank is not None
         first = coefficients[0] if coefficients and not projecting else None
         # Hashed on the parameters' device even when the buffers are offloaded (GPU >> CPU).
@@ -418,24 +414,8 @@ class Extrapolator:
                 record.geometry = self._geometry(backup)
             if projecting:
                 self._projected = self._project(backup)
-            for n, c in enumerate(coefficients):
-                if n > 0 or first is None:  # the pass wrote the first candidate already
-                    norm = self.apply(c, backup, measure=projecting and n == 0)
-                    if projecting and n == 0:  # the projection shrinks ‖Δ‖
-                        record.direction_norm = norm
-                score = self._score()
-                record.n_evals += 1
-                record.coefficients.append(c)
-                record.scores.append(score)
-                if not self._better(score, best):
-                    break
-                best, record.accepted = score, c
-            if record.coefficients and record.coefficients[-1] != record.accepted:
-                # Undo the rejected candidate exactly.
-                if record.accepted is None:
-                    self.restore(backup)
-                else:
-                    self.apply(record.accepted, backup)
+            self._try_candidates(record, coefficients, backup,
+                                 written=first is not None, projecting=projecting)
         except BaseException:
             self._projected = None
             self.restore(backup)
@@ -460,6 +440,41 @@ class Extrapolator:
         if not self.searching:
             self._release()
         return record
+
+    def _schedule(self, score_before: float) -> tuple[float, ...]:
+        """The coefficients this search tries, in order: none when ``W_t`` scored non-finite."""
+        if not math.isfinite(score_before):
+            return ()
+        coefficients = self.coefficients
+        if self.direction == "averaged" and self._window_count <= 1:
+            # A one-step window's average is W_t itself: c = 0 would tie s0.
+            coefficients = tuple(c for c in coefficients if c != 0)
+        return coefficients
+
+    def _try_candidates(self, record: JumpRecord, coefficients: Sequence[float],
+                        backup: Sequence[Tensor], *, written: bool, projecting: bool) -> None:
+        """Score the candidates in order into ``record`` until one fails to beat the best so
+        far, then leave the weights at the accepted candidate (``W_t`` if none). ``written``:
+        the pass already wrote the first candidate into the weights."""
+        best = record.score_before
+        for n, c in enumerate(coefficients):
+            if n > 0 or not written:  # the pass wrote the first candidate already
+                norm = self.apply(c, backup, measure=projecting and n == 0)
+                if projecting and n == 0:  # the projection shrinks ‖Δ‖
+                    record.direction_norm = norm
+            score = self._score(stacklevel=4)
+            record.n_evals += 1
+            record.coefficients.append(c)
+            record.scores.append(score)
+            if not self._better(score, best):
+                break
+            best, record.accepted = score, c
+        if record.coefficients and record.coefficients[-1] != record.accepted:
+            # Undo the rejected candidate exactly.
+            if record.accepted is None:
+                self.restore(backup)
+            else:
+                self.apply(record.accepted, backup)
 
     def _release(self) -> None:
         """Searching has stopped for good: drop the anchor and the running average (a copy of

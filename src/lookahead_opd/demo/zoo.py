@@ -262,6 +262,40 @@ class _OwnSamples(Task):
         return problem.prompt + problem.meta["completion"]
 
 
+def _check_build_options(teacher_regime: str, size: str, max_steps: int,
+                         retain: Sequence[str] | str, device: str | torch.device
+                         ) -> Sequence[str]:
+    """Raise ``ValueError`` naming the first bad ``build_pair`` option; return ``retain`` (one
+    spec string becomes a 1-tuple)."""
+    check_choice("teacher_regime", teacher_regime, TEACHER_REGIMES)
+    check_device(str(device))
+    if size not in ZOO_SIZES:
+        raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if isinstance(retain, str):
+        retain = (retain,)
+    if (teacher_regime == "retention") != bool(retain):
+        raise ValueError("retain=(task specs...) is required by teacher_regime='retention' and "
+                         f"accepted by no other regime; got {teacher_regime!r} with retain={list(retain)}")
+    return retain
+
+
+def _build_key(task_spec: str, size: str, teacher_regime: str, seed: int, max_steps: int,
+               retain: Sequence[str], strict: bool) -> str:
+    """The cache key of a build: a digest of everything that defines it."""
+    # The key of the original regimes is unchanged, so their cached builds stay valid; the new
+    # ones add what defines them.
+    extra: dict[str, Any] = {}
+    if teacher_regime == "rl":
+        extra["rl"] = RL_SETTINGS
+    if teacher_regime == "retention":
+        extra["retain"] = list(retain)
+    if not strict:
+        extra["strict"] = False
+    return _key(task=task_spec, size=size, regime=teacher_regime, seed=seed, max_steps=max_steps, **extra)
+
+
 def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "arithmetic",
                size: str = "tiny", teacher_regime: str = "same-base", seed: int = 0,
                progress: bool = True, *, max_steps: int = 6000, retain: Sequence[str] = (),
@@ -276,29 +310,10 @@ def build_pair(cache_dir: str | os.PathLike | None = None, task_spec: str = "ari
     (base range, teacher accuracy, the ``rl`` acceptance rule) is kept, the failures listed in
     ``meta["failed_checks"]``, instead of raising ``RuntimeError`` (tests on tiny budgets).
     """
-    check_choice("teacher_regime", teacher_regime, TEACHER_REGIMES)
-    check_device(str(device))
-    if size not in ZOO_SIZES:
-        raise ValueError(f"size must be one of {', '.join(ZOO_SIZES)}; got {size!r}")
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    if isinstance(retain, str):
-        retain = (retain,)
-    if (teacher_regime == "retention") != bool(retain):
-        raise ValueError("retain=(task specs...) is required by teacher_regime='retention' and "
-                         f"accepted by no other regime; got {teacher_regime!r} with retain={list(retain)}")
+    retain = _check_build_options(teacher_regime, size, max_steps, retain, device)
     task = load_task(task_spec)
     retained = [load_task(r) for r in retain]
-    # The key of the original regimes is unchanged, so their cached builds stay valid; the new
-    # ones add what defines them.
-    extra: dict[str, Any] = {}
-    if teacher_regime == "rl":
-        extra["rl"] = RL_SETTINGS
-    if teacher_regime == "retention":
-        extra["retain"] = list(retain)
-    if not strict:
-        extra["strict"] = False
-    key = _key(task=task_spec, size=size, regime=teacher_regime, seed=seed, max_steps=max_steps, **extra)
+    key = _build_key(task_spec, size, teacher_regime, seed, max_steps, retain, strict)
     root = cache_root(cache_dir)
     remove_stale_builds(root)
     name = f"{task.name}-{size}-{teacher_regime}-seed{seed}-{key}"

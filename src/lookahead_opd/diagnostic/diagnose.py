@@ -249,24 +249,41 @@ def diagnose(student: nn.Module, teachers: Mapping[str, TeacherLike] | Sequence[
     seconds["teachers"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - t_start
 
-    informative = sum(r["informative"] for r in records)
-    counts = {"questions": len(problems), "rollouts": len(roll.completions),
-              "correct_rollouts": int(sum(roll.correct)), "candidate_nodes": nodes.candidates,
-              "nodes": len(records), "informative": informative,
-              "uninformative": len(records) - informative, "skipped_tokenization": nodes.skipped}
-    k = samples_per_question
-    solve = [sum(roll.correct[q * k:(q + 1) * k]) / k for q in range(len(problems))]
-    config = dict(budget=budget, questions=len(problems), split=split,
-                  samples_per_question=samples_per_question, top_k=top_k,
-                  continuations=continuations, loss=loss, jsd_beta=jsd_beta,
-                  temperature=temperature, max_new_tokens=run.max_new_tokens, spacing=spacing,
-                  context_separator=context_separator, seed=seed, task=task.name,
-                  teachers=given)
+    counts = _counts(run, roll, nodes, records)
+    config = _config(run, split=split, context_separator=context_separator, teachers=given)
     return DiagnosticReport(
         teachers=list(models), nodes=records, counts=counts, rollouts_used=est.rollouts,
         budget=budget, config=config, seconds=seconds, rank_by=rank_by, resamples=resamples,
-        seed=seed, questions=[{"index": q, "prompt": p.prompt, "answer": p.answer,
-                               "solve_rate": solve[q]} for q, p in enumerate(problems)])
+        seed=seed, questions=_question_rows(run, roll))
+
+
+def _counts(run: _Run, roll: _StudentRollouts, nodes: _Nodes, records: Sequence[Mapping[str, Any]]
+            ) -> dict[str, int]:
+    """The report's counts: questions, rollouts, nodes found / kept / informative / skipped."""
+    informative = sum(r["informative"] for r in records)
+    return {"questions": len(run.problems), "rollouts": len(roll.completions),
+            "correct_rollouts": int(sum(roll.correct)), "candidate_nodes": nodes.candidates,
+            "nodes": len(records), "informative": informative,
+            "uninformative": len(records) - informative, "skipped_tokenization": nodes.skipped}
+
+
+def _config(run: _Run, *, split: str, context_separator: str, teachers: dict[str, str]
+            ) -> dict[str, Any]:
+    """The options the report records (after defaults: ``questions`` is how many ran)."""
+    return dict(budget=run.budget, questions=len(run.problems), split=split,
+                samples_per_question=run.samples_per_question, top_k=run.top_k,
+                continuations=run.continuations, loss=run.loss, jsd_beta=run.jsd_beta,
+                temperature=run.temperature, max_new_tokens=run.max_new_tokens,
+                spacing=run.spacing, context_separator=context_separator, seed=run.seed,
+                task=run.task.name, teachers=teachers)
+
+
+def _question_rows(run: _Run, roll: _StudentRollouts) -> list[dict[str, Any]]:
+    """Each question with its answer and the student's solve rate over its rollouts."""
+    k = run.samples_per_question
+    solve = [sum(roll.correct[q * k:(q + 1) * k]) / k for q in range(len(run.problems))]
+    return [{"index": q, "prompt": p.prompt, "answer": p.answer, "solve_rate": solve[q]}
+            for q, p in enumerate(run.problems)]
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ prefixes do not are skipped before the budget is planned (and counted in the rep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,21 @@ def completion_ids(sequences: torch.Tensor, completion_mask: torch.Tensor,
     return [row[m].tolist() for row, m in zip(seq, mask, strict=True)]
 
 
+def _job_texts(tok: Any, problems: Sequence[Problem], prompt_ids: Mapping[int, list[int]],
+               nodes: Sequence[Node], chunk: Sequence[tuple[int, int, list[int]]]) -> list[str]:
+    """The text each continuation job starts from: its question's prompt plus its forced tokens
+    (``(node, candidate, forced)`` jobs); raises ``ValueError`` if one does not round-trip."""
+    texts = []
+    for i, _, forced in chunk:
+        q = nodes[i].question
+        text = prefix_text(tok, problems[q].prompt, prompt_ids[q], forced)
+        if text is None:
+            raise ValueError(f"node prefix {forced} of question {q} does not round-trip "
+                             "through the tokenizer; filter nodes with prefix_text first")
+        texts.append(text)
+    return texts
+
+
 def estimate_success(engine: Engine, task: Task, problems: Sequence[Problem], nodes: Sequence[Node],
                      *, continuations: int, max_new_tokens: int, temperature: float = 1.0,
                      seed: int = 0, rows_per_call: int = 512,
@@ -93,14 +108,7 @@ def estimate_success(engine: Engine, task: Task, problems: Sequence[Problem], no
         group = jobs[remaining]
         for start in range(0, len(group), per_call):
             chunk = group[start:start + per_call]
-            texts = []
-            for i, _, forced in chunk:
-                q = nodes[i].question
-                text = prefix_text(tok, problems[q].prompt, prompt_ids[q], forced)
-                if text is None:
-                    raise ValueError(f"node prefix {forced} of question {q} does not round-trip "
-                                     "through the tokenizer; filter nodes with prefix_text first")
-                texts.append(text)
+            texts = _job_texts(tok, problems, prompt_ids, nodes, chunk)
             out = engine.generate(texts, max_new_tokens=remaining, temperature=temperature,
                                   seed=seed * 1_000_003 + call, num_samples=continuations)
             call += 1

@@ -280,6 +280,50 @@ def _clip_bounds(clip_ratio: float | tuple[float, float] | None) -> tuple[float,
     return 1.0 - float(low), 1.0 + float(high)
 
 
+def _check_logprob_inputs(
+    student_logprobs: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    teacher_logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor | None,
+) -> torch.Tensor:
+    """Check that ``student_logprobs`` is ``[B, T]`` and the teacher's (and the sampler's, when
+    given) log-probs have its shape; return the checked completion mask."""
+    if not isinstance(student_logprobs, torch.Tensor) or student_logprobs.dim() != 2:
+        raise ValueError(
+            "student_logprobs must be a [B, T] tensor, "
+            f"got {getattr(student_logprobs, 'shape', student_logprobs)!r}"
+        )
+    shape = student_logprobs.shape
+    mask = _check_mask(completion_mask, shape)
+    others = {"teacher_logprobs": teacher_logprobs}
+    if sampler_logprobs is not None:
+        others["sampler_logprobs"] = sampler_logprobs
+    for name, t in others.items():
+        if not isinstance(t, torch.Tensor) or t.shape != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must have the shape of student_logprobs {tuple(shape)}, got {got}"
+            )
+    return mask
+
+
+def _ppo_objective(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    bounds: tuple[float, float] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token ``ratio·A``, or PPO's ``min(r·A, clip(r, low, high)·A)`` with ``bounds``;
+    also the mask of (completion) tokens whose clipped branch is active."""
+    objective = ratio * advantages
+    if bounds is None:
+        return objective, torch.zeros_like(mask)
+    clipped = ratio.clamp(bounds[0], bounds[1]) * advantages
+    clip_active = (clipped < objective) & mask
+    return torch.minimum(objective, clipped), clip_active
+
+
 def reverse_kl_pg_loss(
     student_logprobs: torch.Tensor,
     teacher_logprobs: torch.Tensor,
@@ -302,22 +346,10 @@ def reverse_kl_pg_loss(
     after discounting), ``ratio`` (mean), ``clip_frac`` (fraction of tokens whose clipped branch
     is active), ``num_tokens`` (this batch).
     """
-    if not isinstance(student_logprobs, torch.Tensor) or student_logprobs.dim() != 2:
-        raise ValueError(
-            "student_logprobs must be a [B, T] tensor, "
-            f"got {getattr(student_logprobs, 'shape', student_logprobs)!r}"
-        )
-    shape = student_logprobs.shape
-    mask = _check_mask(completion_mask, shape)
-    others = {"teacher_logprobs": teacher_logprobs}
-    if sampler_logprobs is not None:
-        others["sampler_logprobs"] = sampler_logprobs
-    for name, t in others.items():
-        if not isinstance(t, torch.Tensor) or t.shape != shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name} must have the shape of student_logprobs {tuple(shape)}, got {got}"
-            )
+    mask = _check_logprob_inputs(
+        student_logprobs, completion_mask,
+        teacher_logprobs=teacher_logprobs, sampler_logprobs=sampler_logprobs,
+    )
     bounds = _clip_bounds(clip_ratio)
     denom = _resolve_num_tokens(num_tokens, mask)
 
@@ -336,13 +368,7 @@ def reverse_kl_pg_loss(
     rkl = lp_det - lp_teacher
     advantages = discounted_returns(-rkl, mask, discount)
     ratio = torch.exp(lp - lp_old)
-    objective = ratio * advantages
-    if bounds is not None:
-        clipped = ratio.clamp(bounds[0], bounds[1]) * advantages
-        clip_active = (clipped < objective) & mask
-        objective = torch.minimum(objective, clipped)
-    else:
-        clip_active = torch.zeros_like(mask)
+    objective, clip_active = _ppo_objective(ratio, advantages, mask, bounds)
     objective = torch.where(mask, objective, zero)
     loss = -objective.sum() / denom
 

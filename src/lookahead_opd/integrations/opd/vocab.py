@@ -85,6 +85,21 @@ def _first_differences(a: Mapping[str, int], b: Mapping[str, int], limit: int = 
     return out
 
 
+def _check_same_vocab(student: Mapping[str, int], teacher: Mapping[str, int]) -> None:
+    """Raise ``ValueError`` unless the two token->id maps are equal (naming a few differences)."""
+    if len(student) != len(teacher):
+        raise ValueError(
+            f"vocabularies differ in size: student has {len(student)} tokens, teacher has "
+            f"{len(teacher)}; OPD needs the same tokenizer for student and teacher"
+        )
+    if dict(student) != dict(teacher):
+        diffs = "; ".join(_first_differences(student, teacher))
+        raise ValueError(
+            f"vocabularies have the same size ({len(student)}) but different token->id maps "
+            f"(e.g. {diffs}); OPD needs the same tokenizer for student and teacher"
+        )
+
+
 def check_vocab_compatible(
     student: Any,
     teacher: Any,
@@ -114,17 +129,7 @@ def check_vocab_compatible(
     t = _describe(teacher, "teacher", teacher_tokenizer)
 
     if s.vocab is not None and t.vocab is not None and s.vocab is not t.vocab:
-        if len(s.vocab) != len(t.vocab):
-            raise ValueError(
-                f"vocabularies differ in size: student has {len(s.vocab)} tokens, teacher has "
-                f"{len(t.vocab)}; OPD needs the same tokenizer for student and teacher"
-            )
-        if dict(s.vocab) != dict(t.vocab):
-            diffs = "; ".join(_first_differences(s.vocab, t.vocab))
-            raise ValueError(
-                f"vocabularies have the same size ({len(s.vocab)}) but different token->id maps "
-                f"(e.g. {diffs}); OPD needs the same tokenizer for student and teacher"
-            )
+        _check_same_vocab(s.vocab, t.vocab)
     vocab = s.vocab if s.vocab is not None else t.vocab
     needed = (max(vocab.values()) + 1 if vocab else 0) if vocab is not None else None
 
