@@ -3,7 +3,6 @@ summary statistics, machine info and result files. Depends on torch, numpy and t
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -210,41 +209,6 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
     return info
-
-
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-class QuickParser(argparse.ArgumentParser):
-    """The parser of a benchmark with a ``--quick`` smoke run (``doc`` its help).
-    ``quick_option`` declares an int option whose default is the full run's value, or with
-    ``--quick`` the smoke run's (the help says both); ``add_output_args`` adds where the
-    results go, their file-name suffix ('' or '_quick', so a smoke run never overwrites the
-    real results) and ``--no-write``; ``parse_args`` fills in what was left unset."""
-
-    def __init__(self, doc: str | None, quick_help: str) -> None:
-        super().__init__(description=doc, formatter_class=argparse.RawTextHelpFormatter)
-        self.add_argument("--quick", action="store_true", help=quick_help)
-        self.quick_defaults: dict[str, tuple[int, int]] = {}
-
-    def quick_option(self, flag: str, full: int, quick: int, help: str) -> None:
-        action = self.add_argument(flag, type=int, default=None, help=f"{help} ({full}; {quick} quick)")
-        self.quick_defaults[action.dest] = (full, quick)
-
-    def add_output_args(self) -> None:
-        self.add_argument("--output-dir", default=RESULTS_DIR)
-        self.add_argument("--suffix", default=None, help="file name suffix (default '' or '_quick')")
-        self.add_argument("--no-write", action="store_true", help="print only, write no files")
-
-    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
-        ns = super().parse_args(args, namespace)
-        for dest, (full, quick) in self.quick_defaults.items():
-            if getattr(ns, dest) is None:
-                setattr(ns, dest, quick if ns.quick else full)
-        if getattr(ns, "suffix", "") is None:
-            ns.suffix = "_quick" if ns.quick else ""
-        return ns
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -21,11 +21,11 @@ A callback copies the weights at evenly spaced checkpoints. Then, with ``ΔW_t =
    update's norm (β = 1), their greedy accuracy and reverse KL, and a β sweep at 10% (Fig. 4c).
 
     python -m benchmarks.geometry            # the committed results (2–4 min on 2 shared cores)
-    python -m benchmarks.geometry --quick    # pipeline check in seconds (fresh tiny models)
+    python -m benchmarks.geometry --smoke    # pipeline check in seconds (fresh tiny models)
     python -m benchmarks.geometry --report-only   # rewrite md/png from the json
 
 Writes ``geometry.json``, ``geometry.md`` and ``geometry_*.png`` under ``--out``
-(``geometry_quick.*`` with ``--quick``).
+(``geometry-smoke.*`` with ``--smoke``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,8 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.common import machine_info, markdown_table, previous_results, write_results
-from lookahead_opd import geometry as geo
+from benchmarks.common import markdown_table
+from lookahead_opd.integrations import geometry as geo
 from lookahead_opd.selection import ATTENTION_KEYWORDS, is_block_param
 
 STEM = "geometry"
@@ -53,9 +52,7 @@ METHODS = {"opd": dict(loss="reverse_kl", num_samples=1),
 # --------------------------------------------------------------------------- setup
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="zoo cache (default $LOOKAHEAD_OPD_CACHE)")
     p.add_argument("--size", default="tiny", help="zoo size of the student and teacher")
     p.add_argument("--seed", type=int, default=0)
@@ -72,26 +69,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--align-k", type=int, default=8, help="singular directions compared")
     p.add_argument("--eval-size", type=int, default=400, help="held-out problems per eval")
     p.add_argument("--kl-size", type=int, default=128, help="fixed base rollouts for the KL")
-    p.add_argument("--threads", type=int, default=None, help="torch threads")
-    p.add_argument("--quick", action="store_true",
-                   help="fresh tiny models, a few steps: checks the pipeline in seconds")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
-    a = p.parse_args(argv)
-    a.task = "arithmetic"  # the zoo pair's task (2-digit addition)
-    if a.quick:
-        # Operands 0..20: a fresh model samples a few percent right after 100 steps (a second or
-        # two), so RL's group-mean advantages are not all zero.
-        a.task = "arithmetic:max_operand=20"
-        a.steps, a.batch_size, a.rl_batch_size, a.checkpoints = 4, 8, 8, 4
-        a.early, a.warmup = "0.25,0.5", 0
-        a.betas, a.eval_size, a.kl_size = "0,1,1.5", 24, 8
+
+
+# The smoke run: fresh tiny models, a few steps. Operands 0..20: a fresh model samples a few
+# percent right after 100 steps (a second or two), so RL's group-mean advantages are not all 0.
+SMOKE = dict(steps=4, batch_size=8, rl_batch_size=8, checkpoints=4, early="0.25,0.5", warmup=0,
+             betas="0,1,1.5", eval_size=24, kl_size=8)
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    a.task = "arithmetic:max_operand=20" if a.smoke else "arithmetic"  # the zoo pair's task
     a.early_fractions = _floats(a.early, "--early")
     a.beta_values = _floats(a.betas, "--betas")
     if a.steps < 2 or a.checkpoints < 2 or a.checkpoints > a.steps:
-        raise SystemExit(f"need 2 <= --checkpoints <= --steps, got {a.checkpoints}, {a.steps}")
+        p.error(f"need 2 <= --checkpoints <= --steps, got {a.checkpoints}, {a.steps}")
     if any(not 0 < f < 1 for f in a.early_fractions):
-        raise SystemExit(f"--early fractions must be in (0, 1), got {a.early!r}")
-    return a
+        p.error(f"--early fractions must be in (0, 1), got {a.early!r}")
 
 
 def _floats(spec: str, flag: str) -> list[float]:
@@ -114,11 +107,11 @@ def checkpoint_steps(steps: int, n: int, early: list[float]) -> list[int]:
 def load_models(a: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
     """Tokenizer, student and teacher: the cached zoo pair, or (``--quick``) fresh tiny models,
     the teacher being the student trained a few more steps (the same-base regime)."""
+    from lookahead_opd.demo.zoo import build_pair, make_model, pretrain
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
-    from lookahead_opd.integrations.opd.zoo import build_pair, make_model, pretrain
 
-    if a.quick:
+    if a.smoke:
         tokenizer = char_tokenizer()
         task = load_task(a.task)
         student = make_model(tokenizer, "tiny", a.seed)
@@ -126,7 +119,7 @@ def load_models(a: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
         teacher = copy.deepcopy(student)
         pretrain(teacher, tokenizer, task, steps=100, batch_size=32, seed=a.seed + 1,
                  progress=False)
-        return tokenizer, student, teacher, {"source": "fresh (quick)", "size": "tiny",
+        return tokenizer, student, teacher, {"source": "fresh (smoke)", "size": "tiny",
                                              "task": a.task}
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -253,9 +246,10 @@ def norms_by_layer(delta: dict[str, torch.Tensor]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- one run
 
 
-def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any, teacher: Any,
-               task: Any, work: Path, log: Any) -> dict[str, Any]:
-    """Train one method, then every analysis that needs its model (evals of rescaled weights)."""
+def train(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any, teacher: Any,
+          task: Any) -> tuple[Any, Any, Checkpoints, Any, float]:
+    """One method's run from a copy of the student, its checkpoints copied on the way; the
+    trainer, the student, the checkpoints, the result and the reverse KL at step 0."""
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
@@ -265,23 +259,58 @@ def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any
     if method == "rl":
         spec.update(num_samples=a.rl_samples, batch_size=a.rl_batch_size)
     config = harness.opd_config(
-        "geometry", method, task=a.task, output_dir=str(work / method),
-        max_steps=a.steps, learning_rate=a.lr, warmup_steps=a.warmup, optimizer="adamw",
-        max_grad_norm=1.0, eval_every=0, eval_size=a.eval_size, gate_size=a.kl_size,
-        seed=a.seed, save_every=0, **spec)
+        "geometry", method, task=a.task, max_steps=a.steps, learning_rate=a.lr,
+        warmup_steps=a.warmup, optimizer="adamw", max_grad_norm=1.0, eval_every=0,
+        eval_size=a.eval_size, gate_size=a.kl_size, seed=a.seed, save_every=0, **spec)
     engine = HFEngine(student, tokenizer, batch_size=256)
-    ckpt_steps = checkpoint_steps(a.steps, a.checkpoints, a.early_fractions)
-    ckpts = Checkpoints(student, ckpt_steps)
+    ckpts = Checkpoints(student, checkpoint_steps(a.steps, a.checkpoints, a.early_fractions))
     trainer = OPDTrainer(config, student, teacher, task, engine, tokenizer=tokenizer,
                          callbacks=[ckpts])
     # Fix the KL probe on rollouts of the base (teacher-forced afterwards: continuous, cheap).
     kl0 = trainer.gate_reverse_kl()
-    t0 = time.perf_counter()
-    result = trainer.train()
-    train_wall = time.perf_counter() - t0
-    log(f"{method}: {a.steps} steps in {train_wall:.0f}s, accuracy "
-        f"{result.evals[0][1]:.1%} -> {result.evals[-1][1]:.1%}")
+    return trainer, student, ckpts, trainer.train(), kl0
 
+
+def rescaled_points(a: argparse.Namespace, ckpts: Checkpoints, curve: list[dict[str, Any]],
+                    final: dict[str, torch.Tensor], score: Any) -> tuple[list, list, int]:
+    """The early checkpoints rescaled to the final norm (β = 1), the β sweep at the first one,
+    and how many new evaluations they took."""
+    w0, memo = ckpts.weights[0], {}
+
+    def rescaled(step: int, beta: float) -> dict[str, Any]:
+        if (step, beta) in memo:  # β = 1 at the first early step is in both tables
+            return memo[step, beta]
+        early = geo.state_dict_delta(w0, ckpts.weights[step])
+        before = _ratio(total_norm(early), total_norm(final))
+        if beta == 0.0:  # the checkpoint as is, already scored
+            point = next(p for p in curve if p["step"] == step)
+            memo[step, beta] = {"step": step, "beta": beta, "norm_ratio_to_final": before,
+                                "norm_ratio_before": before, "accuracy": point["accuracy"],
+                                "reverse_kl": point["reverse_kl"]}
+            return memo[step, beta]
+        moved = geo.rescale_updates(early, final, beta=beta)
+        weights = {n: w0[n] + moved[n].to(w0[n].dtype) for n in w0}
+        memo[step, beta] = {"step": step, "beta": beta,
+                            "norm_ratio_to_final": _ratio(total_norm(moved), total_norm(final)),
+                            "norm_ratio_before": before, **score(weights)}
+        return memo[step, beta]
+
+    early_steps = [max(1, round(a.steps * f)) for f in a.early_fractions]
+    rescale = [{"fraction": f, **rescaled(s, 1.0)}
+               for f, s in zip(a.early_fractions, early_steps, strict=True)]
+    sweep = [{"fraction": a.early_fractions[0], **rescaled(early_steps[0], b)}
+             for b in a.beta_values]
+    return rescale, sweep, len(memo)
+
+
+def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any, teacher: Any,
+               task: Any) -> dict[str, Any]:
+    """Train one method, then every analysis that needs its model (evals of rescaled weights)."""
+    t0 = time.perf_counter()
+    trainer, student, ckpts, result, kl0 = train(a, method, tokenizer, student0, teacher, task)
+    train_wall = time.perf_counter() - t0
+    print(f"{method}: {a.steps} steps in {train_wall:.0f}s, accuracy "
+          f"{result.evals[0][1]:.1%} -> {result.evals[-1][1]:.1%}", flush=True)
     w0, wT = ckpts.weights[0], ckpts.weights[a.steps]
     final = geo.state_dict_delta(w0, wT)
 
@@ -291,44 +320,16 @@ def run_method(a: argparse.Namespace, method: str, tokenizer: Any, student0: Any
 
     curve = [{"step": 0, "accuracy": result.evals[0][1], "reverse_kl": kl0}]
     align = []
-    t1 = time.perf_counter()
-    for s in ckpt_steps:
+    for s in sorted(ckpts.steps):
         delta = geo.state_dict_delta(w0, ckpts.weights[s])
         align.append({"step": s, "fraction": s / a.steps, **alignment(delta, final, a.align_k)})
         curve.append({"step": s, **score(ckpts.weights[s])})
-
-    memo: dict[tuple[int, float], dict[str, Any]] = {}
-
-    def rescaled(step: int, beta: float) -> dict[str, Any]:
-        if (step, beta) not in memo:  # β = 1 at the first early step is in both tables
-            memo[step, beta] = _rescaled(step, beta)
-        return memo[step, beta]
-
-    def _rescaled(step: int, beta: float) -> dict[str, Any]:
-        early = geo.state_dict_delta(w0, ckpts.weights[step])
-        if beta == 0.0:  # the checkpoint as is, already scored
-            point = next(p for p in curve if p["step"] == step)
-            return {"step": step, "beta": beta,
-                    "norm_ratio_to_final": _ratio(total_norm(early), total_norm(final)),
-                    "norm_ratio_before": _ratio(total_norm(early), total_norm(final)),
-                    "accuracy": point["accuracy"], "reverse_kl": point["reverse_kl"]}
-        moved = geo.rescale_updates(early, final, beta=beta)
-        weights = {n: w0[n] + moved[n].to(w0[n].dtype) for n in w0}
-        return {"step": step, "beta": beta,
-                "norm_ratio_to_final": _ratio(total_norm(moved), total_norm(final)),
-                "norm_ratio_before": _ratio(total_norm(early), total_norm(final)),
-                **score(weights)}
-
-    early_steps = [max(1, round(a.steps * f)) for f in a.early_fractions]
-    rescale = [{"fraction": f, **rescaled(s, 1.0)}
-               for f, s in zip(a.early_fractions, early_steps, strict=True)]
-    sweep = [{"fraction": a.early_fractions[0], **rescaled(early_steps[0], b)}
-             for b in a.beta_values]
+    rescale, sweep, n = rescaled_points(a, ckpts, curve, final, score)
     load_weights(student, wT)
-    log(f"{method}: {len(curve) - 1 + len(memo)} evals in "
-        f"{time.perf_counter() - t1:.0f}s")
+    print(f"{method}: {len(curve) - 1 + n} evals in {time.perf_counter() - t0 - train_wall:.0f}s",
+          flush=True)
     return {
-        "method": method, "config": {k: v for k, v in config.to_dict().items()
+        "method": method, "config": {k: v for k, v in trainer.config.to_dict().items()
                                      if k not in ("student", "teacher", "output_dir")},
         "train_seconds": trainer.train_seconds, "train_wall_seconds": train_wall,
         "reward": [(m["step"], m["reward"]) for m in result.metrics if "reward" in m],
@@ -375,11 +376,15 @@ def per_method_rows(runs: dict[str, Any], names: list[str], key: str, labels: li
             for i, label in enumerate(labels)]
 
 
-def report(results: dict[str, Any]) -> str:
-    runs, ref = results["runs"], results["random_reference"]
-    names = [m for m in ("opd", "rl") if m in runs]
-    c = results["config"]
-    lines = [
+def intro(results: dict[str, Any], names: list[str]) -> list[str]:
+    """What ran, how it is measured, and each run's start and end."""
+    c, runs = results["config"], results["runs"]
+    rows = [[m.upper(), f"{runs[m]['curve'][0]['accuracy']:.1%}",
+             f"{runs[m]['curve'][-1]['accuracy']:.1%}",
+             f"{runs[m]['curve'][0]['reverse_kl']:.4f}", f"{runs[m]['curve'][-1]['reverse_kl']:.4f}",
+             f"{runs[m]['relative_update']:.2e}", f"{runs[m]['train_seconds']:.0f}"]
+            for m in names]
+    return [
         "# Update geometry: OPD vs RL on the embedded arithmetic task",
         "",
         f"Student: {_describe(results['models'])} "
@@ -395,20 +400,12 @@ def report(results: dict[str, Any]) -> str:
         f" Machine: {results['machine'].get('cpu_model')}, {results['machine']['cpu_count']} "
         f"cores (shared); {results['elapsed_seconds']:.0f}s in all.",
         "",
-    ]
-    rows = [[m.upper(), f"{runs[m]['curve'][0]['accuracy']:.1%}",
-             f"{runs[m]['curve'][-1]['accuracy']:.1%}",
-             f"{runs[m]['curve'][0]['reverse_kl']:.4f}", f"{runs[m]['curve'][-1]['reverse_kl']:.4f}",
-             f"{runs[m]['relative_update']:.2e}", f"{runs[m]['train_seconds']:.0f}"]
-            for m in names]
-    lines.append(markdown_table(["run", "acc start", "acc end", "KL start", "KL end",
-                                 "‖ΔW‖/‖W0‖", "train s"], rows))
-    lines += ["", "## Table 1: spectrum of the final update ΔW = W_T − W_0", "",
-              "Mean over the 2-D attention (q, k, v, o) and MLP (gate, up, down) weight matrices "
-              "of every layer, as the paper's Table 1. The matrices here have rank ≤ 64, so the "
-              "top-1% ratio keeps k = ⌈0.01·r⌉ = 1 direction and equals σ1/‖ΔW‖F; the top-10% "
-              "ratio (k = 4–7) is added. The last column is Gaussian noise of the same shapes.",
-              ""]
+        markdown_table(["run", "acc start", "acc end", "KL start", "KL end",
+                        "‖ΔW‖/‖W0‖", "train s"], rows)]
+
+
+def spectral_section(results: dict[str, Any], names: list[str]) -> list[str]:
+    runs, ref = results["runs"], results["random_reference"]
     keys = [("sigma1", "σ1", "{:.4f}"), ("spectral_ratio", "σ1/‖ΔW‖F", "{:.1%}"),
             ("effective_rank", "effective rank", "{:.1f}"),
             ("effective_rank_fraction", "effective rank / min(m, n)", "{:.1%}"),
@@ -421,14 +418,17 @@ def report(results: dict[str, Any]) -> str:
             row += [fmt.format(runs[m]["spectral"][group][key]) for m in names]
             row.append("—" if key == "sigma1" else fmt.format(ref["spectral"][group][key]))
             rows.append(row)
-    lines.append(markdown_table(["metric (all / attn / mlp)", *[m.upper() for m in names],
-                                 "Gaussian"], rows))
-    lines += ["", f"## Subspace alignment with the final update (top-{c['align_k']} directions)",
-              "",
-              "|cos| between the i-th left singular vectors of ΔW_t and ΔW_T, averaged over "
-              f"i ≤ {c['align_k']} and over the block matrices (the paper's Fig. 4b); `flat` is "
-              "the cosine between the whole flattened updates. Two independent Gaussian matrices "
-              f"of the same shapes give {ref['alignment']['all']:.3f}.", ""]
+    return ["", "## Table 1: spectrum of the final update ΔW = W_T − W_0", "",
+            "Mean over the 2-D attention (q, k, v, o) and MLP (gate, up, down) weight matrices "
+            "of every layer, as the paper's Table 1. The matrices here have rank ≤ 64, so the "
+            "top-1% ratio keeps k = ⌈0.01·r⌉ = 1 direction and equals σ1/‖ΔW‖F; the top-10% "
+            "ratio (k = 4–7) is added. The last column is Gaussian noise of the same shapes.",
+            "", markdown_table(["metric (all / attn / mlp)", *[m.upper() for m in names],
+                                "Gaussian"], rows)]
+
+
+def alignment_section(results: dict[str, Any], names: list[str]) -> list[str]:
+    runs, c = results["runs"], results["config"]
     rows = []
     for i, item in enumerate(runs[names[0]]["alignment"]):
         row = [f"{item['step']} ({item['fraction']:.0%})"]
@@ -438,19 +438,30 @@ def report(results: dict[str, Any]) -> str:
                     f"{al['cos_flat']:.3f}"]
         rows.append(row)
     head = ["step"] + [f"{m.upper()} {g}" for m in names for g in ("all", "attn", "mlp", "flat")]
-    lines.append(markdown_table(head, rows))
-    lines += ["", "## Update norms by module (A.6)", "",
-              "‖ΔW‖F of the final update per layer and module type, and its share of the whole "
-              "update's squared norm.", ""]
+    return ["", f"## Subspace alignment with the final update (top-{c['align_k']} directions)",
+            "",
+            "|cos| between the i-th left singular vectors of ΔW_t and ΔW_T, averaged over "
+            f"i ≤ {c['align_k']} and over the block matrices (the paper's Fig. 4b); `flat` is "
+            "the cosine between the whole flattened updates. Two independent Gaussian matrices "
+            f"of the same shapes give {results['random_reference']['alignment']['all']:.3f}.", "",
+            markdown_table(head, rows)]
+
+
+def norms_section(results: dict[str, Any], names: list[str]) -> list[str]:
+    runs = results["runs"]
     groups = list(runs[names[0]]["norms"]["norms"])
     rows = [[g, *[f"{runs[m]['norms']['norms'][g]:.4f} ({runs[m]['norms']['share'][g]:.1%})"
                   for m in names]] for g in groups]
     rows.append(["total", *[f"{runs[m]['norms']['total']:.4f}" for m in names]])
-    lines.append(markdown_table(["module", *[f"{m.upper()} ‖ΔW‖F (share)" for m in names]], rows))
-    lines += ["", "## Early checkpoints rescaled to the final norm (A.7, Fig. 4c)", "",
-              "ΔW_early per parameter tensor rescaled to the final update's norm "
-              "(`geometry.rescale_updates`, β = 1), applied to W_0. Recovery is (acc − acc_0) / "
-              "(acc_T − acc_0); it is omitted when the run itself gained under 2 points.", ""]
+    return ["", "## Update norms by module (A.6)", "",
+            "‖ΔW‖F of the final update per layer and module type, and its share of the whole "
+            "update's squared norm.", "",
+            markdown_table(["module", *[f"{m.upper()} ‖ΔW‖F (share)" for m in names]], rows)]
+
+
+def rescale_section(results: dict[str, Any], names: list[str]) -> list[str]:
+    runs, c = results["runs"], results["config"]
+
     def rescaled(m: str, r: dict[str, Any]) -> list[str]:
         raw = next(p for p in runs[m]["curve"] if p["step"] == r["step"])
         return [f"{raw['accuracy']:.1%} ({_pct(recovery(runs[m], raw['accuracy']))})",
@@ -463,16 +474,28 @@ def report(results: dict[str, Any]) -> str:
     for m in names:
         head += [f"{m.upper()} acc as is (recovery)", f"{m.upper()} acc rescaled (recovery)",
                  f"{m.upper()} KL as is → rescaled", f"{m.upper()} ‖ΔW_early‖/‖ΔW_T‖"]
-    lines.append(markdown_table(head, rows))
-    lines += ["", f"β sweep at the {c['early_fractions'][0]:.0%} checkpoint (β = 0: as is; β = 1: "
-              "the final norm):", ""]
-    rows = per_method_rows(runs, names, "beta_sweep", [f"{b:g}" for b in c["beta_values"]],
-                           lambda m, r: [f"{r['accuracy']:.1%}", f"{r['reverse_kl']:.4f}",
-                                         _fmt(r["norm_ratio_to_final"])])
-    head = ["β"] + [f"{m.upper()} {x}" for m in names for x in ("acc", "KL", "‖ΔW‖/‖ΔW_T‖")]
-    lines.append(markdown_table(head, rows))
-    lines += ["", "## Reading", "", *findings(results)]
-    return "\n".join(lines)
+    sweep = per_method_rows(runs, names, "beta_sweep", [f"{b:g}" for b in c["beta_values"]],
+                            lambda m, r: [f"{r['accuracy']:.1%}", f"{r['reverse_kl']:.4f}",
+                                          _fmt(r["norm_ratio_to_final"])])
+    return ["", "## Early checkpoints rescaled to the final norm (A.7, Fig. 4c)", "",
+            "ΔW_early per parameter tensor rescaled to the final update's norm "
+            "(`geometry.rescale_updates`, β = 1), applied to W_0. Recovery is (acc − acc_0) / "
+            "(acc_T − acc_0); it is omitted when the run itself gained under 2 points.", "",
+            markdown_table(head, rows),
+            "", f"β sweep at the {c['early_fractions'][0]:.0%} checkpoint (β = 0: as is; β = 1: "
+            "the final norm):", "",
+            markdown_table(["β"] + [f"{m.upper()} {x}" for m in names
+                                    for x in ("acc", "KL", "‖ΔW‖/‖ΔW_T‖")], sweep)]
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    names = [m for m in ("opd", "rl") if m in results["runs"]]
+    if "random_reference" not in results:  # between the runs
+        return f"# Update geometry: in progress ({', '.join(names) or 'no run'} done)"
+    return "\n".join([*intro(results, names), *spectral_section(results, names),
+                      *alignment_section(results, names), *norms_section(results, names),
+                      *rescale_section(results, names), "", "## Reading", "",
+                      *findings(results)])
 
 
 def findings(results: dict[str, Any]) -> list[str]:
@@ -528,26 +551,20 @@ def findings(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def plot(results: dict[str, Any], out: Path, stem: str) -> list[Path]:
-    import matplotlib
+COLORS = {"opd": "tab:blue", "rl": "tab:red"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_alignment(results: dict[str, Any], names: list[str], plt: Any) -> Any:
     runs = results["runs"]
-    names = [m for m in ("opd", "rl") if m in runs]
-    colors = {"opd": "tab:blue", "rl": "tab:red"}
-    paths = []
-
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for m in names:
         st = [0] + [x["step"] for x in runs[m]["alignment"]]
         for g, ls in (("all", "-"), ("attn", ":"), ("mlp", "--")):
             vals = [float("nan")] + [x[g] for x in runs[m]["alignment"]]
-            axes[0].plot(st, vals, ls, color=colors[m], marker="." if g == "all" else None,
+            axes[0].plot(st, vals, ls, color=COLORS[m], marker="." if g == "all" else None,
                          label=f"{m.upper()} {g}")
         axes[1].plot([p["step"] for p in runs[m]["curve"]],
-                     [p["accuracy"] for p in runs[m]["curve"]], marker=".", color=colors[m],
+                     [p["accuracy"] for p in runs[m]["curve"]], marker=".", color=COLORS[m],
                      label=m.upper())
     axes[0].axhline(results["random_reference"]["alignment"]["all"], color="gray", ls=":",
                     label="Gaussian")
@@ -558,96 +575,92 @@ def plot(results: dict[str, Any], out: Path, stem: str) -> list[Path]:
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("greedy held-out accuracy")
     axes[1].legend()
-    fig.tight_layout()
-    paths.append(out / f"{stem}_alignment.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def plot_norms(results: dict[str, Any], names: list[str], plt: Any) -> Any:
+    runs = results["runs"]
     fig, ax = plt.subplots(figsize=(7, 3.8))
     groups = [g for g in runs[names[0]]["norms"]["norms"] if g.startswith("layer")]
     width = 0.8 / len(names)
     for i, m in enumerate(names):
         ax.bar([x + i * width for x in range(len(groups))],
-               [runs[m]["norms"]["norms"][g] for g in groups], width, color=colors[m],
+               [runs[m]["norms"]["norms"][g] for g in groups], width, color=COLORS[m],
                label=m.upper())
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(groups))], groups)
     ax.set_ylabel("‖ΔW_T‖F")
     ax.set_title("final update norm by layer and module")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / f"{stem}_norms.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def plot_rescale(results: dict[str, Any], names: list[str], plt: Any) -> Any:
+    runs = results["runs"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for m in names:
         sw = runs[m]["beta_sweep"]
         axes[0].plot([x["beta"] for x in sw], [x["accuracy"] for x in sw], marker="o",
-                     color=colors[m], label=m.upper())
-        axes[0].axhline(runs[m]["curve"][-1]["accuracy"], color=colors[m], ls=":", lw=0.8)
+                     color=COLORS[m], label=m.upper())
+        axes[0].axhline(runs[m]["curve"][-1]["accuracy"], color=COLORS[m], ls=":", lw=0.8)
         fr = [x["fraction"] for x in runs[m]["rescale"]]
         axes[1].plot(fr, [x["accuracy"] for x in runs[m]["rescale"]], marker="o",
-                     color=colors[m], label=f"{m.upper()} rescaled")
+                     color=COLORS[m], label=f"{m.upper()} rescaled")
         raw = {p["step"]: p["accuracy"] for p in runs[m]["curve"]}
         axes[1].plot(fr, [raw[x["step"]] for x in runs[m]["rescale"]], marker="x", ls="--",
-                     color=colors[m], label=f"{m.upper()} as is")
+                     color=COLORS[m], label=f"{m.upper()} as is")
     axes[0].set_xlabel(f"β (checkpoint at {results['config']['early_fractions'][0]:.0%})")
     axes[0].set_ylabel("greedy accuracy (dotted: final)")
     axes[0].legend()
     axes[1].set_xlabel("checkpoint (fraction of training)")
     axes[1].set_ylabel("greedy accuracy")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / f"{stem}_rescale.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    return paths
+    return fig
 
 
-# --------------------------------------------------------------------------- main
+def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [m for m in ("opd", "rl") if m in results["runs"]]
+    if not names:
+        return
+    for kind, draw in (("alignment", plot_alignment), ("norms", plot_norms),
+                       ("rescale", plot_rescale)):
+        fig = draw(results, names, plt)
+        fig.tight_layout()
+        fig.savefig(Path(a.out) / f"{a.stem}_{kind}.png", dpi=110)
+        plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    start = time.perf_counter()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = STEM + ("_quick" if a.quick else "")
-    if a.report_only:
-        results = previous_results(out, stem)
-        if results is None:
-            raise SystemExit(f"geometry: --report-only: no {stem}.json in {out}")
-        write_results(str(out), stem, results, report(results))
-        plot(results, out, stem)
-        return 0
+# --------------------------------------------------------------------------- the study
 
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - start:6.0f}s] {msg}", flush=True)
 
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[Any, ...]:
+    """The models (the zoo pair, or fresh ones for --smoke) and the task."""
     from lookahead_opd.integrations.opd.tasks import load_task
 
+    a.start = time.perf_counter()
     tokenizer, student, teacher, models = load_models(a)
     models["params"] = sum(p.numel() for p in student.parameters())
-    task = load_task(a.task)
-    config = {k: v for k, v in vars(a).items() if k not in ("early", "betas")}
-    results: dict[str, Any] = {"config": config, "machine": machine_info(torch.device("cpu")),
-                               "models": models, "runs": {}}
-    with tempfile.TemporaryDirectory(prefix="lookahead-opd-geometry-") as tmp:
-        for method in METHODS:
-            results["runs"][method] = run_method(a, method, tokenizer, student, teacher, task,
-                                                 Path(tmp), log)
-    shapes = {n: tuple(s) for n, s in results["runs"]["opd"]["block_shapes"].items()}
-    results["random_reference"] = random_reference(shapes, a.align_k, a.seed)
-    results["elapsed_seconds"] = time.perf_counter() - start
-    md = report(results)
-    write_results(str(out), stem, results, md)
-    plot(results, out, stem)
-    print(md)
-    log("done")
-    return 0
+    store.data["models"] = models
+    return tokenizer, student, teacher, load_task(a.task)
 
+
+def measure(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
+    """Gaussian noise of the runs' shapes: what 'no structure' reads as."""
+    shapes = {n: tuple(s) for n, s in store.runs["opd"]["block_shapes"].items()}
+    store.data["random_reference"] = random_reference(shapes, a.align_k, a.seed)
+    store.data["elapsed_seconds"] = time.perf_counter() - a.start
+
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, smoke=SMOKE, configure=configure,
+    private=("early", "betas", "start"), prepare=prepare,
+    jobs=lambda a, store, ctx: [(m, m) for m in METHODS],
+    run=lambda a, ctx, method: run_method(a, method, *ctx), measure=measure, plot=plot)
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -13,13 +13,22 @@ own questions (which runs, what to compare, the report).
   steps, measured with the library's ``SecantSketch``;
 - ``Store``: the study's ``<stem>.json`` of run records, resumed on a rerun and rewritten with
   the report after every run; ``run_all`` is the resume loop;
+- ``Study``: the protocol every study runs on: it declares its options, jobs (or a one-shot
+  ``measure``), summary and report, and gets the one command line (``--out``, ``--stem``,
+  ``--fresh``, ``--report-only``, ``--smoke``, ``--device``; ``--threads``,
+  ``--budget_s``/``--max-runs``, ``--workers`` where they apply) and the one flow; ``main``
+  runs a study of several parts (``--part``);
+- the shared constants: the regime map's cells and run settings, the speed-up study's pairs
+  and lr, the real model's names;
 - the steps-to-fraction tables: ``reached``, ``fmt_range``, ``train_clock``, ``gate_share``.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +74,52 @@ def cell(level: str, teacher: str, optimizer: str, lrs: Sequence[float], *, kind
         "optimizer": optimizer, "lrs": list(lrs), "kind": kind, "stage2": stage2}
 
 
+# The regime map's learning rates (a factor 2 apart) and its runs' settings, which the studies
+# on its cells (lr_basin, the live patience check) share.
+ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
+SGD_LRS = (0.025, 0.05, 0.1)
+SGD_MOMENTUM = 0.9
+EVAL_SIZE = 1000  # held-out problems per eval: min(this, the test split)
+REGIME_RUN = dict(max_steps=300, eval_every=4, warmup_steps=4)  # a regime-map run's defaults
+STOP_FRACTION = 0.9  # a run stops at this fraction of the teacher's gain over the base
+
+
+def _cells() -> dict[str, dict[str, Any]]:
+    """name -> cell spec, in the order the regime map runs them (most informative first: the
+    rl teacher, then the levels by tokens per step, highest first)."""
+    cells = [cell(level, teacher, "adamw", ADAMW_LRS)
+             for teacher in ("rl", "sft") for level in ("long-128", "short-512", "short-32")]
+    cells += [cell(level, "rl", "sgd", SGD_LRS, stage2="best")  # the two upper levels
+              for level in ("long-128", "short-512")]
+    cells.append(cell("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention",
+                      stage2="three-best"))
+    return dict(cells)
+
+
+CELLS = _cells()
+
+# The speed-up study's pairs, which the search studies share: name -> (task, size, regime);
+# and its learning rate (full-vocabulary reverse KL; × multipliers in its sweeps).
+ZOO_PAIRS: dict[str, tuple[str, str, str]] = {
+    "same-base": ("arithmetic", "tiny", "same-base"),
+    "independent": ("arithmetic", "tiny", "independent"),
+    "small": ("arithmetic", "small", "same-base"),
+    "multiop": ("arithmetic:ops=+-", "tiny", "same-base"),
+}
+BASE_LR = 1e-3
+
+# The real model (real_lm, no_harm): SmolLM2-135M-Instruct and its RL-near teacher, the base
+# plus the delta the package ships (``benchmarks/builders/real_teacher.py`` builds it).
+REAL_STUDENT = "smollm2-135m-gguf"
+REAL_TEACHER = "smollm2-135m-rl"
+REAL_TASK = "wordproblems:steps=1"  # the teacher's task (one-step problems), and the studies'
+REAL_LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
+REAL_DELTA = (Path(__file__).resolve().parents[1] / "src/lookahead_opd/integrations/weights"
+              / "smollm2-135m-rl.safetensors")
+KL_SEED = 0  # the held-out rollouts' sampling seed (one yardstick for every run)
+KL_PROBLEM_SEED = 1000  # which test prompts they are drawn from
+
+
 class Pairs:
     """Loads each zoo pair once (building it on first use, into ``cache_dir``: by default the
     committed ``benchmarks/zoo``); a pair the zoo cannot build (a teacher regime or task not
@@ -81,7 +136,7 @@ class Pairs:
         size = size or self.size
         key = (task_spec, teacher, size)
         if key not in self._pairs:
-            from lookahead_opd.integrations.opd.zoo import build_pair
+            from lookahead_opd.demo.zoo import build_pair
 
             regime = TEACHERS.get(teacher, teacher)
             extra = {"retain": [RETENTION["held_out"]]} if regime == "retention" else {}
@@ -97,6 +152,11 @@ class Pairs:
                                 "accuracies": pair.accuracies,
                                 "build": Path(pair.student_path).parent.name}
         return self._pairs[key]
+
+    def named(self, name: str) -> dict[str, Any]:
+        """The pair ``ZOO_PAIRS[name]``."""
+        task, size, regime = ZOO_PAIRS[name]
+        return self.get(task, regime, size=size)
 
 
 def load_pair(student: str | Path, teacher: str | Path, device: str = "cpu") -> dict[str, Any]:
@@ -162,7 +222,7 @@ def eval_problems(task: Any, n: int, seed: int) -> list[Any]:
 
 def accuracy(model: Any, tokenizer: Any, task_spec: str, n: int, seed: int) -> float:
     """Greedy exact match of ``model`` on ``eval_problems(task_spec, n, seed)``."""
-    from lookahead_opd.integrations.opd.zoo import greedy_accuracy
+    from lookahead_opd.integrations.opd.scoring import model_accuracy as greedy_accuracy
 
     task = load_task(task_spec, tokenizer)
     return greedy_accuracy(model, tokenizer, task, eval_problems(task, n, seed))
@@ -200,11 +260,25 @@ def opd_config(study: str, name: str, **fields: Any) -> Any:
     scratch folder ``/tmp/lookahead-opd-<study>/<name>``; validated here, so that a bad option
     (or an optimizer not installed) stops the study instead of reading as a crashed run."""
     from lookahead_opd.integrations.opd.config import OPDConfig
+    from lookahead_opd.integrations.opd.train import check_run
 
     config = OPDConfig(**{"loss": LOSS, "progress": False,
                           "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
-    config.validate(check_paths=False)
+    check_run(config, check_paths=False)
     return config
+
+
+def cell_config(study: str, name: str, cell: dict[str, Any], lr: float, seed: int,
+                target: float | None, eval_size: int = EVAL_SIZE, **fields: Any) -> Any:
+    """A run on a regime-map ``cell`` at ``lr``: its task, prompts per step and optimizer (SGD
+    with momentum ``SGD_MOMENTUM``), min(``eval_size``, the test split) eval problems, stopping
+    at accuracy ``target`` (None: at the cap); ``fields``: the rest (steps, evals, warm-up,
+    the method's options)."""
+    opt = dict(optimizer="sgd", momentum=SGD_MOMENTUM) if cell["optimizer"] == "sgd" else {}
+    eval_n = len(eval_problems(load_task(cell["task"]), eval_size, seed))
+    return opd_config(study, name, task=cell["task"], batch_size=cell["prompts"],
+                      learning_rate=lr, eval_size=eval_n, seed=seed, stop_at_accuracy=target,
+                      **opt, **fields)
 
 
 class Run(TypedDict, total=False):
@@ -397,7 +471,7 @@ def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float 
     """One OPD run of ``config`` from ``pair``'s student (a copy), its record with a
     ``SecantProbe``'s cosines; ``callbacks(model)`` adds the study's own. A crash (NaN weights make sampling fail) or ``time_limit``
     seconds of training end it with the curve so far: ``crashed`` or ``stopped`` says which."""
-    from lookahead_opd.integrations.opd.compare import run_variant
+    from lookahead_opd.demo.compare import run_variant
 
     probes: list[SecantProbe] = []
 
@@ -519,19 +593,6 @@ class Store:
             if value not in seen:
                 seen.append(value)
 
-    def restore_report(self, a: Any, options: Sequence[str], keys: Sequence[str] = ()) -> None:
-        """For ``--report-only``: take the machine, config and ``keys`` of the earlier json, and
-        set ``options`` on ``a`` from its config (the runs' options, not this call's defaults);
-        one line when there is no earlier json."""
-        if self.old is None:
-            raise SystemExit(f"{self.stem}: --report-only: no {self.stem}.json in {self.out}")
-        self.data["machine"] = self.old["machine"]
-        self.data["config"] = config = self.old.get("config", {})
-        for key in keys:
-            self.data[key] = self.old.get(key)
-        for key in options:
-            setattr(a, key, config.get(key, getattr(a, key)))
-
     @property
     def runs(self) -> dict[str, Any]:
         return self.data["runs"]
@@ -554,15 +615,16 @@ def run_all(store: Store, jobs: Callable[[], Sequence[tuple[str, Any]]],
             run_job: Callable[[Any], dict[str, Any]], save: Callable[[], None], *,
             budget_s: float | None = None, desc: str = "runs",
             describe: Callable[[str, dict[str, Any]], str] | None = None,
-            poll_s: float = 30.0) -> bool:
+            poll_s: float = 30.0, max_runs: int | None = None) -> bool:
     """The resume loop: while ``jobs()`` (asked again after every run, so a plan may depend on
     the runs so far) lists ``(key, job)`` pairs whose key is not in the store, run the first,
-    store it and ``save()``. Starts no run after ``budget_s`` seconds; returns False then.
-    With a shared store it runs the first run no other process has claimed, and waits
-    (``poll_s``) while every run left is another's (a plan waiting on their results)."""
+    store it and ``save()``. Starts no run after ``budget_s`` seconds or ``max_runs`` runs;
+    returns False then. With a shared store it runs the first run no other process has
+    claimed, and waits (``poll_s``) while every run left is another's (a plan waiting on their
+    results)."""
     from tqdm.auto import tqdm
 
-    start = time.perf_counter()
+    start, done = time.perf_counter(), 0
     bar = tqdm(desc=desc, dynamic_ncols=True, unit="run")
     try:
         while True:
@@ -572,6 +634,9 @@ def run_all(store: Store, jobs: Callable[[], Sequence[tuple[str, Any]]],
                 break
             if budget_s is not None and time.perf_counter() - start > budget_s:
                 tqdm.write(f"budget of {budget_s:.0f}s spent; rerun to continue")
+                return False
+            if max_runs is not None and done >= max_runs:
+                tqdm.write(f"{max_runs} runs done; rerun to continue")
                 return False
             mine = next(((k, j) for k, j in todo if store.claim(k)), None)
             if mine is None:  # the rest are running elsewhere
@@ -584,12 +649,214 @@ def run_all(store: Store, jobs: Callable[[], Sequence[tuple[str, Any]]],
                 save()
             finally:
                 store.release(key)
+            done += 1
             bar.update(1)
             tqdm.write(describe(key, record) if describe else
                        f"{key}: {record.get('wall_seconds', 0):.0f}s, final {record.get('final_accuracy')}")
     finally:
         bar.close()
     return True
+
+
+# --------------------------------------------------------------------------- the study protocol
+
+RESULTS = Path(__file__).resolve().parent / "results"  # every study's default --out
+# The options every study takes, and those it takes where they apply (``Study.uses``).
+SHARED = ("out", "stem", "fresh", "report_only", "smoke", "device")
+OPTIONAL = ("threads", "budget", "workers")
+
+
+@dataclasses.dataclass
+class Study:
+    """What a study declares; ``main`` is the rest, the same for every study.
+
+    One command line (``--out``, ``--stem``, ``--fresh``, ``--report-only``, ``--smoke``,
+    ``--device``, and ``--threads``, ``--budget_s``/``--max-runs``, ``--workers`` where
+    ``uses`` names them) and one flow: parse; apply ``smoke`` (the smoke run's settings, an
+    option given on the command line winning); ``configure`` (derived settings, checks); then
+    either ``--report-only`` (the earlier json as it is, the ``report_options`` its runs were
+    made with set back on the options around a second ``configure``) or a run: resume the json
+    (``fields``, unless ``--fresh``), ``prepare`` what the runs share, run the ``jobs`` not in
+    the json yet (``harness.run_all``: one ``run`` each, the json and report rewritten after
+    every one), then ``measure`` what is not a grid (a one-shot study: everything), and
+    ``close`` what ``prepare`` opened (a server). Every save
+    is ``summarize`` → ``data[summary_key]``, ``report`` → ``<stem>.md``, and, at the end,
+    ``plot``. A study file is its own questions: these functions and its constants."""
+
+    stem: str
+    doc: str
+    report: Callable[[argparse.Namespace, dict[str, Any]], str]
+    options: Callable[[argparse.ArgumentParser], None] | None = None
+    uses: Sequence[str] = ("threads",)
+    devices: Sequence[str] = ("cpu",)  # device prefixes the study runs on; the first the default
+    smoke: dict[str, Any] = dataclasses.field(default_factory=dict)
+    configure: Callable[[argparse.Namespace, argparse.ArgumentParser], None] | None = None
+    report_options: Sequence[str] = ()
+    fields: dict[str, Callable[[], Any]] = dataclasses.field(default_factory=dict)
+    private: Sequence[str] = ()  # options not written to the json's config
+    same: Sequence[str] = ()  # options an earlier json's runs must share to be resumed
+    prepare: Callable[[argparse.Namespace, Store], Any] | None = None
+    jobs: Callable[[argparse.Namespace, Store, Any], Sequence[tuple[str, Any]]] | None = None
+    run: Callable[[argparse.Namespace, Any, Any], dict[str, Any]] | None = None
+    describe: Callable[[str, dict[str, Any]], str] | None = None
+    measure: Callable[[argparse.Namespace, Store, Any], None] | None = None
+    close: Callable[[Any], None] | None = None  # releases what prepare took, whatever happened
+    summarize: Callable[[argparse.Namespace, dict[str, Any]], Any] | None = None
+    summary_key: str = "summary"
+    plot: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None
+
+    def parser(self) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(description=self.doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_shared_options(p, self.uses, self.devices[0])
+        if self.options:
+            self.options(p)
+        return p
+
+    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
+        """The options, smoke settings applied and ``configure`` run (the CLI's view)."""
+        p = self.parser()
+        a = p.parse_args(argv)
+        given = explicit_options(p, argv)
+        if a.smoke:
+            for key, value in self.smoke.items():
+                if key not in given:
+                    setattr(a, key, value)
+        if not any(a.device.startswith(d) for d in self.devices):
+            p.error(f"--device {a.device}: this study runs on {' or '.join(self.devices)}")
+        a.parser, a.stem_given = p, a.stem
+        self._configure(a)
+        return a
+
+    def _configure(self, a: argparse.Namespace) -> None:
+        a.stem = a.stem_given or self.stem + ("-smoke" if a.smoke else "")
+        if self.configure:
+            self.configure(a, a.parser)
+        if a.stem_given:  # an explicit --stem wins over the study's own choice
+            a.stem = a.stem_given
+
+    def config(self, a: argparse.Namespace) -> dict[str, Any]:
+        """What the json keeps of the options."""
+        skip = {"parser", "stem_given", *self.private}
+        return {k: v for k, v in vars(a).items() if k not in skip}
+
+    def save(self, a: argparse.Namespace, store: Store, plot: bool = False) -> None:
+        with store.locked():
+            store.sync()
+            summary = self.summarize(a, store.data) if self.summarize else None
+            if summary is not None:
+                store.data[self.summary_key] = summary
+            store.save(self.report(a, store.data))
+            if plot and self.plot:
+                self.plot(a, store.data)
+
+    def report_only(self, a: argparse.Namespace, store: Store) -> None:
+        """Rewrite the report from the earlier json as it is, with the options its runs were
+        made with (``report_options`` of its config, set before and after ``configure``)."""
+        if store.old is None:
+            raise SystemExit(f"{a.stem}: --report-only: no {a.stem}.json in {store.out}")
+        store.data = store.old
+        config = store.old.get("config", {})
+
+        def restore() -> None:  # a tuple the json made a list is a tuple again
+            for key in self.report_options:
+                if key in config:
+                    value, now = config[key], getattr(a, key, None)
+                    setattr(a, key, tuple(value) if isinstance(now, tuple) else value)
+        restore()
+        self._configure(a)
+        restore()
+        self.save(a, store, plot=True)
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        a = self.parse(argv)
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        store = Store(a.out, a.stem, fresh=a.fresh, shared=a.workers > 1)
+        if a.report_only:
+            self.report_only(a, store)
+            return 0
+        config = (store.old or {}).get("config", {})
+        for key in self.same:
+            if key in config and config[key] != getattr(a, key):
+                raise SystemExit(f"{a.stem}: the json's runs were made with {key} {config[key]}, "
+                                 "not this call's; write elsewhere with --out, or start over "
+                                 "with --fresh")
+        store.resume(commands=list, machines=list, **self.fields)
+        store.data["config"] = self.config(a)
+        store.stamp(a.device)
+        ctx = self.prepare(a, store) if self.prepare else None
+        try:
+            if self.jobs and self.run:
+                jobs, run = self.jobs, self.run
+                run_all(store, lambda: jobs(a, store, ctx), lambda job: run(a, ctx, job),
+                        lambda: self.save(a, store), budget_s=a.budget_s, max_runs=a.max_runs,
+                        desc=f"{a.stem} runs", describe=self.describe)
+            if self.measure:
+                self.measure(a, store, ctx)
+        finally:
+            if self.close:
+                self.close(ctx)
+        self.save(a, store, plot=True)
+        return 0
+
+
+def add_shared_options(p: argparse.ArgumentParser, uses: Sequence[str] = OPTIONAL,
+                       device: str = "cpu") -> None:
+    """The shared options (``SHARED``, and those of ``OPTIONAL`` in ``uses``)."""
+    g = p.add_argument_group("every study")
+    g.add_argument("--out", default=str(RESULTS), help="where the json, md and png go")
+    g.add_argument("--stem", default=None, help="their file name (default: the study's; "
+                   "<stem>-smoke with --smoke)")
+    g.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
+    g.add_argument("--report-only", action="store_true",
+                   help="rewrite md/png from the json, with the options its runs were made with")
+    g.add_argument("--smoke", action="store_true", help="the pipeline at tiny sizes (CI)")
+    g.add_argument("--device", default=device, help=f"cpu or cuda[:N] (default {device})")
+    if "threads" in uses:
+        g.add_argument("--threads", type=int, default=1, help="torch threads (1: the fastest "
+                       "for these models on a shared machine; 0: torch's default)")
+    if "budget" in uses:
+        g.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
+                       help="start no run after this many seconds (the json stays resumable)")
+        g.add_argument("--max-runs", type=int, default=None,
+                       help="start at most this many runs now (rerun to continue)")
+    if "workers" in uses:
+        g.add_argument("--workers", type=int, default=1, help="processes sharing this "
+                       "study's json (start each with the same options)")
+    unused = {"threads": {"threads": 0}, "budget": {"budget_s": None, "max_runs": None},
+              "workers": {"workers": 1}}
+    p.set_defaults(**{k: v for use, d in unused.items() if use not in uses for k, v in d.items()})
+
+
+def explicit_options(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> set[str]:
+    """The options given on the command line (not left at their defaults): parsed again with
+    every default suppressed."""
+    saved, parser_defaults = [(a, a.default) for a in p._actions], p._defaults
+    try:
+        p._defaults = {}
+        for action, _ in saved:
+            action.default = argparse.SUPPRESS
+        return set(vars(p.parse_args(argv)))
+    finally:
+        p._defaults = parser_defaults
+        for action, default in saved:
+            action.default = default
+
+
+def main(*studies: Study, argv: Sequence[str] | None = None) -> int:
+    """A study of several parts (each a ``Study``, one report each, one command line: their
+    ``options`` declare ``--part`` too): ``--part STEM`` runs one, and without it every part runs
+    in turn (``--report-only``: every report)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--part", choices=[s.stem for s in studies])
+    known, rest = pre.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        return studies[0].main(rest)
+    for study in studies:
+        if known.part in (None, study.stem):
+            study.main(rest)
+    return 0
 
 
 # --------------------------------------------------------------------------- tables
@@ -629,7 +896,7 @@ def reached(run: dict[str, Any], targets: dict[str, float],
             fractions: Iterable[float] = FRACTIONS) -> dict[str, Any]:
     """Steps and seconds (its clock at that step) to each fraction of the gain; None: not
     reached within the run."""
-    from lookahead_opd.integrations.opd.compare import steps_to_target
+    from lookahead_opd.demo.compare import steps_to_target
 
     out: dict[str, Any] = {}
     for f in fractions:

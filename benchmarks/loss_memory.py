@@ -17,6 +17,7 @@ process (the median is reported: the machine is shared). Last, an OPD run on the
 its per-step metrics and gate decisions side by side.
 
     OMP_NUM_THREADS=1 python -m benchmarks.loss_memory          # ~45 min on one CPU thread
+    python -m benchmarks.loss_memory --smoke --out /tmp/lm        # small sizes, no zoo run
 
 Results go to benchmarks/results/loss_memory.{json,md}, rewritten after every run; a rerun
 continues where the last one stopped (``--fresh`` starts over).
@@ -30,22 +31,17 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-try:  # python -m benchmarks.loss_memory
-    from benchmarks.common import machine_info, markdown_table, previous_results, write_results
-except ImportError:  # python benchmarks/loss_memory.py
-    from common import (  # type: ignore[no-redef]
-        machine_info,
-        markdown_table,
-        previous_results,
-        write_results,
-    )
+from benchmarks import harness
+from benchmarks.common import markdown_table
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = Path(__file__).resolve().parents[1]  # the children run from the repo root
 SHAPES = {"smollm2": (576, 49152), "qwen2.5": (896, 151936)}
 METHODS = ("dense", "chunked", "trl")
 GIB = 2**30
@@ -129,8 +125,7 @@ def _child(method: str, shape: str, tokens: int, chunk: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "benchmarks.loss_memory", "--chunk", str(chunk),
            "--one", method, shape, str(tokens)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(RESULTS)))
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -149,19 +144,19 @@ def zoo_comparison(steps: int, chunk: int) -> dict[str, Any]:
     metrics, the evaluations and the gate's decisions of both."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lookahead_opd.demo.zoo import build_pair
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.engines import HFEngine
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
-    from lookahead_opd.integrations.opd.zoo import build_pair
 
     pair = build_pair(progress=False)
-    runs = {}
+    runs, scratch = {}, tempfile.mkdtemp(prefix="loss-memory-")
     for size in (0, chunk):
         tok = AutoTokenizer.from_pretrained(pair.student_path)
         student = AutoModelForCausalLM.from_pretrained(pair.student_path).float()
         teacher = AutoModelForCausalLM.from_pretrained(pair.teacher_path).float()
-        config = OPDConfig(output_dir=os.path.join(RESULTS, ".zoo-run"),
+        config = OPDConfig(output_dir=scratch,
                            overwrite_output_dir=True, max_steps=steps, batch_size=64,
                            learning_rate=1e-3, loss="reverse_kl", extrapolate=True,
                            gate="neg_kl", gate_size=50, eval_every=steps // 2, eval_size=200,
@@ -178,7 +173,7 @@ def zoo_comparison(steps: int, chunk: int) -> dict[str, Any]:
                                 for j in result.jumps]}
     import shutil
 
-    shutil.rmtree(os.path.join(RESULTS, ".zoo-run"), ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     dense, chunked = runs[0], runs[chunk]
     rel = max(abs(c[k] - d[k]) / max(abs(d[k]), 1e-12)
               for d, c in zip(dense["metrics"], chunked["metrics"], strict=True)
@@ -215,7 +210,7 @@ def _zoo_markdown(z: dict[str, Any]) -> list[str]:
                         "reverse KL (chunked)"], rows)]
 
 
-def _markdown(data: dict[str, Any]) -> str:
+def _markdown(a: argparse.Namespace, data: dict[str, Any]) -> str:
     rows, by = [], data["runs"]
     for shape in SHAPES:
         for tokens in data["tokens"]:
@@ -299,8 +294,10 @@ def _per_logit_text(data: dict[str, Any]) -> str:
     return ", ".join(f"{m} {v:.1f} B" for m, v in per.items() if v is not None)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+# --------------------------------------------------------------------------- the study
+
+
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -310,70 +307,85 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2,
                    help="timing runs per method where all three were measured")
     p.add_argument("--zoo_steps", type=int, default=20, help="0: no zoo OPD comparison")
-    p.add_argument("--stem", default="loss_memory")
-    p.add_argument("--fresh", action="store_true")
-    p.add_argument("--one", nargs=3, metavar=("METHOD", "SHAPE", "TOKENS"),
-                   help=argparse.SUPPRESS)  # the child process: one configuration
-    args = p.parse_args(argv)
-    if args.one:
-        method, shape, tokens = args.one
-        torch.set_num_threads(1)
-        print(json.dumps(run_one(method, shape, int(tokens), args.chunk)))
-        return
 
+
+def prepare(a: argparse.Namespace, store: harness.Store) -> None:
+    """The settings into the json; configurations only expected so far are decided again."""
     import trl
 
-    data = previous_results(RESULTS, args.stem, fresh=args.fresh) or {"runs": {}}
-    data.update({"machine": machine_info(torch.device("cpu")), "tokens": args.tokens,
-                 "chunk": args.chunk, "max_gib": args.max_gib, "trl_version": trl.__version__})
-    data.pop("bytes_per_logit", None)  # an earlier version's summary
-    runs = data["runs"]
+    store.data.update({"tokens": a.tokens, "chunk": a.chunk, "max_gib": a.max_gib,
+                       "trl_version": trl.__version__})
+    store.data.pop("bytes_per_logit", None)  # an earlier version's summary
+    for key in [k for k, r in store.runs.items() if not r["measured"]]:
+        del store.runs[key]
 
-    def save() -> None:
-        write_results(RESULTS, args.stem, data, _markdown(data))
 
-    for shape in args.shapes:
-        hidden, vocab = SHAPES[shape]
-        for tokens in args.tokens:
-            for method in args.methods:
-                key = f"{shape}/{tokens}/{method}"
-                if key in runs and runs[key]["measured"]:
-                    continue
-                inputs = 4 * (2 * tokens * hidden + 3 * vocab * hidden)
-                expected = _expected_bytes(runs, method, shape, tokens)
-                if expected is not None and expected > args.max_gib * GIB:
-                    runs[key] = {"method": method, "shape": shape, "hidden": hidden,
-                                 "vocab": vocab, "tokens": tokens, "measured": False,
-                                 "loss_peak_bytes": expected, "inputs_bytes": inputs}
-                    print(f"{key}: not run, expected {expected / GIB:.1f} GiB", flush=True)
-                    save()
-                    continue
-                runs[key] = {**_child(method, shape, tokens, args.chunk), "inputs_bytes": inputs}
-                r = runs[key]
-                print(f"{key}: {r['loss_peak_bytes'] / GIB:.3f} GiB, {r['seconds']:.1f} s, "
-                      f"loss {r['loss']:.6f}", flush=True)
-                save()
-    for shape in args.shapes:  # timing repeats, methods alternating
-        for tokens in args.tokens:
+def jobs(a: argparse.Namespace, store: harness.Store, ctx: Any) -> list[tuple[str, Any]]:
+    return [(f"{shape}/{tokens}/{method}", (store.runs, method, shape, tokens))
+            for shape in a.shapes for tokens in a.tokens for method in a.methods]
+
+
+def run(a: argparse.Namespace, ctx: Any, job: tuple[Any, str, str, int]) -> dict[str, Any]:
+    """One configuration in a fresh process, or its expected peak where that is over the limit."""
+    runs, method, shape, tokens = job
+    hidden, vocab = SHAPES[shape]
+    inputs = 4 * (2 * tokens * hidden + 3 * vocab * hidden)
+    expected = _expected_bytes(runs, method, shape, tokens)
+    if expected is not None and expected > a.max_gib * GIB:
+        return {"method": method, "shape": shape, "hidden": hidden, "vocab": vocab,
+                "tokens": tokens, "measured": False, "loss_peak_bytes": expected,
+                "inputs_bytes": inputs}
+    return {**_child(method, shape, tokens, a.chunk), "inputs_bytes": inputs}
+
+
+def describe(key: str, r: dict[str, Any]) -> str:
+    if not r["measured"]:
+        return f"{key}: not run, expected {r['loss_peak_bytes'] / GIB:.1f} GiB"
+    return (f"{key}: {r['loss_peak_bytes'] / GIB:.3f} GiB, {r['seconds']:.1f} s, "
+            f"loss {r['loss']:.6f}")
+
+
+def measure(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
+    """Timing repeats where all three methods were measured (fresh processes, the methods
+    alternating), then the zoo OPD run with and without chunking."""
+    runs = store.runs
+    for shape in a.shapes:
+        for tokens in a.tokens:
             keys = [f"{shape}/{tokens}/{m}" for m in METHODS]
             if not all(k in runs and runs[k]["measured"] for k in keys):
                 continue
-            for i in range(args.repeats):
-                order = METHODS if i % 2 else METHODS[::-1]
-                for method in order:
+            for i in range(a.repeats):
+                for method in METHODS if i % 2 else METHODS[::-1]:
                     r = runs[f"{shape}/{tokens}/{method}"]
                     if len(r.get("repeat_seconds", [])) > i:
                         continue
                     r.setdefault("repeat_seconds", []).append(
-                        _child(method, shape, tokens, args.chunk)["seconds"])
+                        _child(method, shape, tokens, a.chunk)["seconds"])
                     print(f"{shape}/{tokens}/{method}: timed {r['repeat_seconds'][-1]:.1f} s",
                           flush=True)
-                    save()
-    if args.zoo_steps and not data.get("zoo"):
-        data["zoo"] = zoo_comparison(args.zoo_steps, chunk=16)
-        print(f"zoo: max rel diff {data['zoo']['max_rel_diff']:.1e}", flush=True)
-    save()
+                    STUDY.save(a, store)
+    if a.zoo_steps and not store.data.get("zoo"):
+        store.data["zoo"] = zoo_comparison(a.zoo_steps, chunk=16)
+        print(f"zoo: max rel diff {store.data['zoo']['max_rel_diff']:.1e}", flush=True)
+
+
+STUDY = harness.Study(
+    "loss_memory", __doc__, _markdown, options=options,
+    smoke=dict(tokens=[64, 128], shapes=["smollm2"], repeats=1, zoo_steps=0),
+    prepare=prepare, jobs=jobs, run=run, describe=describe, measure=measure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--one" in argv:  # the child process: one configuration, its record on stdout
+        i = argv.index("--one")
+        method, shape, tokens = argv[i + 1:i + 4]
+        chunk = int(argv[argv.index("--chunk") + 1]) if "--chunk" in argv else 128
+        torch.set_num_threads(1)
+        print(json.dumps(run_one(method, shape, int(tokens), chunk)))
+        return 0
+    return STUDY.main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -33,14 +33,12 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
-from benchmarks import harness, regimes
+from benchmarks import harness
 from benchmarks.common import markdown_table
-from benchmarks.harness import EFFOPD, fmt_range
+from benchmarks.harness import CELLS, EFFOPD, STOP_FRACTION, fmt_range
 
 STEM = "lr_basin"
-CELLS = ("short-512/rl/adamw", "long-128/rl/adamw", "long-128/sft/adamw")  # cheapest first
+LR_CELLS = ("short-512/rl/adamw", "long-128/rl/adamw", "long-128/sft/adamw")  # cheapest first
 FACTORS = tuple(2.0**k for k in range(-5, 2))  # starting lr / best lr
 CONSERVATIVE = 1 / 16  # the user's conservative start, × best
 SEED_FACTORS = (1 / 16, 1 / 4, 1.0)  # where the 3 seeds run
@@ -60,36 +58,28 @@ METHODS = {  # name -> OPDConfig fields (lr handled per method in config_for)
 }
 
 
-# What the report says of the runs: taken from the json by ``--report-only``.
-REPORT_OPTIONS = ("max_steps", "eval_every", "eval_size", "gate_size", "method_list", "factors",
-                  "seed_factors", "seeds", "sweep")
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--cells", default=",".join(CELLS), help="comma-separated regime-map cells")
+def options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", default=",".join(LR_CELLS), help="comma-separated regime-map cells")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--max-steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--eval-size", type=int, default=regimes.EVAL_SIZE)
+    p.add_argument("--eval-size", type=int, default=harness.EVAL_SIZE)
     p.add_argument("--gate-size", type=int, default=EFFOPD["gate_size"])
-    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
-                   help="start no run after this many seconds (the json stays resumable)")
     p.add_argument("--cache-dir", default=None, help="zoo cache (default: benchmarks/zoo)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
-    p.add_argument("--smoke", action="store_true", help="one tiny cell, few steps (CI)")
-    a = p.parse_args(argv)
-    a.stem, a.size, a.device, a.cell_specs = STEM, "tiny", "cpu", dict(regimes.CELLS)
-    a.factors, a.seed_factors, a.seeds, a.sweep = FACTORS, SEED_FACTORS, SEEDS, SWEEP
-    if a.smoke:
-        a.cell_specs = {"smoke/sft/adamw": {**regimes.CELLS["short-32/sft/adamw"], "prompts": 8,
+
+
+# The smoke run: one tiny cell, a few steps, two starts.
+SMOKE = dict(cells="smoke/sft/adamw", max_steps=6, eval_every=2, eval_size=40, gate_size=16,
+             factors=(1 / 4, 1.0), seed_factors=(1.0,), seeds=(0, 1), sweep=(1.0, 10.0))
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    a.size, a.cell_specs = "tiny", dict(CELLS)
+    if not a.smoke:  # (the smoke run's are in SMOKE)
+        a.factors, a.seed_factors, a.seeds, a.sweep = FACTORS, SEED_FACTORS, SEEDS, SWEEP
+    else:
+        a.cell_specs = {"smoke/sft/adamw": {**CELLS["short-32/sft/adamw"], "prompts": 8,
                                             "lrs": [1e-3, 4e-3]}}
-        a.cells, a.max_steps, a.eval_every, a.eval_size, a.gate_size = "smoke/sft/adamw", 6, 2, 40, 16
-        a.factors, a.seed_factors, a.seeds, a.sweep = (1 / 4, 1.0), (1.0,), (0, 1), (1.0, 10.0)
-        a.stem = "lr_basin-smoke"
     a.names = [c.strip() for c in a.cells.split(",")]
     a.method_list = [m.strip() for m in a.methods.split(",")]
     unknown = [n for n in a.names if n not in a.cell_specs]
@@ -98,7 +88,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [m for m in a.method_list if m not in METHODS]
     if bad:
         p.error(f"unknown method(s) {bad}; known: {', '.join(METHODS)}")
-    return a
 
 
 # --------------------------------------------------------------------------- runs
@@ -115,18 +104,16 @@ def config_for(a: argparse.Namespace, cell: dict[str, Any], method: str, lr: flo
         fields["optimizer_kwargs"] = f'{{"d0": {lr!r}}}'
     if "gate" in fields:
         fields["gate_size"] = a.gate_size
-    eval_n = len(harness.eval_problems(harness.load_task(cell["task"]), a.eval_size, seed))
-    return harness.opd_config(
-        a.stem, f"{method}-{lr:.6g}-{seed}", task=cell["task"], max_steps=a.max_steps,
-        batch_size=cell["prompts"], learning_rate=lr, warmup_steps=0, eval_every=a.eval_every,
-        eval_size=eval_n, seed=seed, stop_at_accuracy=target, **fields)
+    return harness.cell_config(a.stem, f"{method}-{lr:.6g}-{seed}", cell, lr, seed, target,
+                               a.eval_size, max_steps=a.max_steps, warmup_steps=0,
+                               eval_every=a.eval_every, **fields)
 
 
 def run_one(a: argparse.Namespace, results: dict[str, Any], pairs: harness.Pairs, name: str,
             method: str, lr: float, seed: int) -> dict[str, Any]:
     cell = a.cell_specs[name]
     bt = harness.base_and_targets(results, pairs, cell, seed, a.eval_size)
-    config = config_for(a, cell, method, lr, seed, bt["targets"][f"{regimes.STOP_FRACTION:g}"])
+    config = config_for(a, cell, method, lr, seed, bt["targets"][f"{STOP_FRACTION:g}"])
     run = harness.run(config, pairs.get(cell["task"], cell["teacher"]), cell["task"])
     run["evals"] = run["evals"] or [[0, bt["base"]]]
     run.update(cell=name, method=method, lr=lr, seed=seed)
@@ -311,6 +298,60 @@ def fmt_widths(widths: list[float | str | None]) -> str:
     return f"{each} ({span})"
 
 
+def method_row(a: argparse.Namespace, c: dict[str, Any], meth: str, per: dict[str, Any]
+               ) -> list[str]:
+    """A method's row: steps from every start (seed 0), its basin widths, best/16's numbers."""
+    cells = []
+    for f in a.factors:
+        d = per.get(f"{f:g}")
+        cells.append("—" if d is None else " / ".join(
+            "·" if d[f"steps_{fr:g}"][0] is None else str(d[f"steps_{fr:g}"][0])
+            for fr in FRACTIONS))
+    d16 = per.get(f"{CONSERVATIVE:g}")
+    return [meth, *cells, fmt_width(c["basin"]["0.75"][meth]),
+            fmt_width(c["basin"]["0.9"][meth]), fmt_widths(c["seed_basin"]["0.75"][meth]),
+            "—" if d16 is None else " / ".join(fmt_range(d16[f"steps_{fr:g}"])
+                                               for fr in FRACTIONS),
+            "—" if d16 is None else f"{fmt_range(d16['gate_evals'])} / "
+            f"{fmt_range(d16['gate_seconds'], '{:.1f}')}"]
+
+
+def sweep_lines(c: dict[str, Any]) -> list[str]:
+    sw = c.get("sweep", {})
+    if not sw:
+        return []
+    lines = ["**One run from best/16 against a blind AdamW sweep** (conservative lr × 1, "
+             "10, 100 for k = 3; × 1, √10, 10, 10√10, 100 for k = 5; the sweep's result "
+             "is its best run, its cost all its runs' steps):", ""]
+    for key, d in sw.items():
+        k, fr = key.split("|")
+        lines.append(f"- k = {k}, to {float(fr):.0%}: best run "
+                     f"{d['best_steps'] or 'none reached'} steps, sweep cost "
+                     f"{d['total_steps']} steps")
+    return [*lines, ""]
+
+
+def cell_lines(a: argparse.Namespace, name: str, c: dict[str, Any]) -> list[str]:
+    """A cell's section: its lr search, then every method from every start."""
+    lines = [f"## {name}", ""]
+    if c["status"] == "not run":
+        return [*lines, "Not run yet.", ""]
+    lines += [f"Base {c['base']:.1%} → teacher {c['teacher']:.1%}. AdamW lr search (seed 0), "
+              "steps to 75 / 90% of the gain: " + "; ".join(
+                  f"{lr}: {d['steps_0.75'] or '—'} / {d['steps_0.9'] or '—'}"
+                  for lr, d in c["search"].items()) + ".", ""]
+    if c["status"] == "lr search":
+        return [*lines, "The lr search is not finished.", ""]
+    headers = ["method", *[f"best×{f:g}" for f in a.factors], "basin (75%)", "basin (90%)",
+               "basin (75%) on best/16, /4, 1: seeds " + " / ".join(map(str, a.seeds)),
+               "steps at best/16 (75% / 90%)", "gate evals / seconds at best/16"]
+    rows = [method_row(a, c, meth, per) for meth, per in c["methods"].items()]
+    return [*lines, f"AdamW's best lr: **{c['best_lr']:g}**.", "",
+            "Steps to 75 / 90% of the gain from each starting lr (seed 0; '·': not reached; "
+            "the best/16 column: mean [min–max] over the seeds run there).", "",
+            markdown_table(headers, rows), "", *sweep_lines(c)]
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     s, m = results["summary"], results["machine"]
     lines = [
@@ -328,53 +369,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"Basin width: the factor spanned by the starting lrs whose steps stay ≤ {BASIN_SLACK}× "
         "AdamW's at its best lr (seed 0 over every start; then each seed over the three starts "
         "every seed ran, against AdamW at the best lr on the same seed, with the min–max).", "",
-    ]
-    for name, c in s.items():
-        lines += [f"## {name}", ""]
-        if c["status"] == "not run":
-            lines += ["Not run yet.", ""]
-            continue
-        lines += [f"Base {c['base']:.1%} → teacher {c['teacher']:.1%}. AdamW lr search (seed 0), "
-                  "steps to 75 / 90% of the gain: " + "; ".join(
-                      f"{lr}: {d['steps_0.75'] or '—'} / {d['steps_0.9'] or '—'}"
-                      for lr, d in c["search"].items()) + ".", ""]
-        if c["status"] == "lr search":
-            lines += ["The lr search is not finished.", ""]
-            continue
-        lines += [f"AdamW's best lr: **{c['best_lr']:g}**.", ""]
-        headers = ["method", *[f"best×{f:g}" for f in a.factors], "basin (75%)", "basin (90%)",
-                   "basin (75%) on best/16, /4, 1: seeds " + " / ".join(map(str, a.seeds)),
-                   "steps at best/16 (75% / 90%)", "gate evals / seconds at best/16"]
-        rows = []
-        for meth, per in c["methods"].items():
-            cells = []
-            for f in a.factors:
-                d = per.get(f"{f:g}")
-                cells.append("—" if d is None else " / ".join(
-                    "·" if d[f"steps_{fr:g}"][0] is None else str(d[f"steps_{fr:g}"][0])
-                    for fr in FRACTIONS))
-            d16 = per.get(f"{CONSERVATIVE:g}")
-            rows.append([meth, *cells, fmt_width(c["basin"]["0.75"][meth]),
-                         fmt_width(c["basin"]["0.9"][meth]), fmt_widths(c["seed_basin"]["0.75"][meth]),
-                         "—" if d16 is None else " / ".join(fmt_range(d16[f"steps_{fr:g}"])
-                                                            for fr in FRACTIONS),
-                         "—" if d16 is None else f"{fmt_range(d16['gate_evals'])} / "
-                         f"{fmt_range(d16['gate_seconds'], '{:.1f}')}"])
-        lines += ["Steps to 75 / 90% of the gain from each starting lr (seed 0; '·': not reached; "
-                  "the best/16 column: mean [min–max] over the seeds run there).", "",
-                  markdown_table(headers, rows), ""]
-        sw = c.get("sweep", {})
-        if sw:
-            lines += ["**One run from best/16 against a blind AdamW sweep** (conservative lr × 1, "
-                      "10, 100 for k = 3; × 1, √10, 10, 10√10, 100 for k = 5; the sweep's result "
-                      "is its best run, its cost all its runs' steps):", ""]
-            for key, d in sw.items():
-                k, fr = key.split("|")
-                lines.append(f"- k = {k}, to {float(fr):.0%}: best run "
-                             f"{d['best_steps'] or 'none reached'} steps, sweep cost "
-                             f"{d['total_steps']} steps")
-            lines.append("")
-    lines += ["## Verdict", "", verdict(a, s), ""]
+        *[line for name, c in s.items() for line in cell_lines(a, name, c)],
+        "## Verdict", "", verdict(a, s), ""]
     return "\n".join(lines)
 
 
@@ -439,29 +435,12 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the study
 
 
-def save(a: argparse.Namespace, store: harness.Store) -> None:
-    store.data["summary"] = summarize(a, store.data)
-    store.save(report(a, store.data))
-    plot(a, store.data)
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    store = harness.Store(a.out, a.stem, fresh=a.fresh)
-    store.resume(bases=dict, unavailable=dict, pairs=dict, commands=list, machines=list)
-    results = store.data
-    if a.report_only:
-        store.restore_report(a, REPORT_OPTIONS)
-        save(a, store)
-        return 0
-    results["config"] = {k: v for k, v in vars(a).items() if k != "cell_specs"}
-    store.stamp()
-    pairs = harness.Pairs(a.cache_dir)
-    ready = []
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[harness.Pairs, list[str]]:
+    """The committed pairs, and the cells whose pair is the json's."""
+    results, pairs, ready = store.data, harness.Pairs(a.cache_dir), []
     for name in a.names:
         cell = a.cell_specs[name]
         pair = pairs.get(cell["task"], cell["teacher"])
@@ -472,19 +451,27 @@ def main(argv: list[str] | None = None) -> int:
             ready.append(name)
         else:
             results["unavailable"][name] = why
+    return pairs, ready
 
-    def jobs() -> list[tuple[str, tuple[str, str, float, int]]]:
-        for name in ready:  # cell by cell: a budget cut leaves whole cells
-            todo = [(run_key(name, m, lr, sd), (name, m, lr, sd)) for m, lr, sd in plan(a, results, name)]
-            if any(k not in results["runs"] for k, _ in todo):
-                return todo
-        return []
 
-    harness.run_all(store, jobs, lambda job: run_one(a, results, pairs, *job),
-                    lambda: save(a, store), budget_s=a.budget_s, desc=f"{a.stem} runs")
-    save(a, store)
-    return 0
+def jobs(a: argparse.Namespace, store: harness.Store, ctx: Any) -> list[tuple[str, Any]]:
+    for name in ctx[1]:  # cell by cell: a budget cut leaves whole cells
+        todo = [(run_key(name, m, lr, sd), (store.data, name, m, lr, sd))
+                for m, lr, sd in plan(a, store.data, name)]
+        if any(k not in store.runs for k, _ in todo):
+            return todo
+    return []
 
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, uses=("threads", "budget"), smoke=SMOKE,
+    configure=configure, fields=dict(bases=dict, unavailable=dict, pairs=dict),
+    report_options=("max_steps", "eval_every", "eval_size", "gate_size", "method_list",
+                    "factors", "seed_factors", "seeds", "sweep"),
+    private=("cell_specs",), prepare=prepare, jobs=jobs,
+    run=lambda a, ctx, job: run_one(a, job[0], ctx[0], *job[1:]), summarize=summarize,
+    plot=plot)
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

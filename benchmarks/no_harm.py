@@ -61,12 +61,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c<=2": dict(coefficients="1,2"),
     "lr_follow": dict(lr_follow=32),
 }
-REPORT_OPTIONS = ("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", default=None, help="the teacher's model folder (real_lm's)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"the screen's variants, in order (of {', '.join(VARIANTS)})")
@@ -77,27 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kl-size", type=int, default=32)
     p.add_argument("--eval-size", type=int, default=200)
     p.add_argument("--gate-size", type=int, default=16)
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing this study's json (start each with the same options)")
-    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
-                   help="start no run after this many seconds (the json stays resumable)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite the md from the json")
-    p.add_argument("--smoke", action="store_true", help="a zoo pair, few steps (CI)")
-    a = p.parse_args(argv)
-    a.variants = [v for v in a.variants.split(",") if v]
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if isinstance(a.variants, str):
+        a.variants = [v for v in a.variants.split(",") if v]
     unknown = [v for v in a.variants if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
-    a.stem, a.task, a.top_blocks = STEM, real_lm.TASK, 0
+    a.task, a.top_blocks = real_lm.TASK, 0
     a.fork_lrs, a.screen_lrs, a.fork_last, a.fork_after = FORK_LRS, SCREEN_LRS, FORK_LAST, FORK_AFTER
     if a.smoke:  # the committed tiny zoo pair: every kind of run in a minute
-        a.stem, a.task, a.top_blocks = f"{STEM}-smoke", "arithmetic", 1
+        a.task, a.top_blocks = "arithmetic", 1
         a.fork_lrs = a.screen_lrs = (1e-3,)
         a.fork_last, a.fork_after, a.variants = 2, 2, a.variants[:1]
-        a.max_steps, a.batch_size, a.kl_every, a.kl_size, a.eval_size, a.gate_size = 4, 8, 2, 8, 40, 8
-    return a
 
 
 # --------------------------------------------------------------------------- the plan
@@ -290,27 +280,11 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     ])
 
 
-def save(a: argparse.Namespace, store: harness.Store) -> None:
-    with store.locked():
-        store.sync()
-        store.data["summary"] = summarize(a, store.data)
-        store.save(report(a, store.data))
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    store = harness.Store(a.out, a.stem, fresh=a.fresh, shared=a.workers > 1)
-    store.resume(commands=list, machines=list)
-    if a.report_only:
-        store.restore_report(a, REPORT_OPTIONS, keys=("teacher_accuracy",))
-        save(a, store)
-        return 0
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any], Any]:
+    """real_lm's pair, the teacher's accuracy (real_lm-full's when known), the held-out KL."""
     pair = real_lm.load_pair(a)
     results = store.data
-    results["config"] = dict(vars(a))
     results["teacher"] = pair["teacher_name"]
-    store.stamp()
     task = harness.load_task(a.task, pair["tokenizer"])
     known = store.old or (None if a.smoke else previous_results(a.out, real_lm.FULL_STEM)) or {}
     results["teacher_accuracy"] = known.get("teacher_accuracy") or harness.accuracy(
@@ -319,11 +293,17 @@ def main(argv: list[str] | None = None) -> int:
                            task.problems("test", a.kl_size, seed=real_lm.KL_PROBLEM_SEED),
                            every=a.kl_every, max_new_tokens=task.max_new_tokens,
                            seed=real_lm.KL_SEED)
-    harness.run_all(store, lambda: jobs(a), lambda job: run_one(a, pair, kl, *job),
-                    lambda: save(a, store), budget_s=a.budget_s, desc=f"{a.stem} runs")
-    save(a, store)
-    return 0
+    return pair, kl
 
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, uses=("threads", "budget", "workers"),
+    smoke=dict(max_steps=4, batch_size=8, kl_every=2, kl_size=8, eval_size=40, gate_size=8),
+    configure=configure,
+    report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size"),
+    prepare=prepare, jobs=lambda a, store, ctx: jobs(a),
+    run=lambda a, ctx, job: run_one(a, *ctx, *job), summarize=summarize)
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct (``smollm2-135m-gguf``) and the teacher its own base train
 The paper's setting as far as one CPU core allows: the sampled-token loss (``reverse_kl_pg``),
 16 prompts per step, ``--max-steps`` 40 (≤ 80: see the budget below), no lr warm-up, on
 one-step word problems (``wordproblems:steps=1``, chat-templated: the teacher's task, see
-``real_teacher.py``);
+``builders/real_teacher.py``);
 the student trains its top ``--top-blocks`` decoder blocks and the jump extrapolates those
 weights. Methods: ``plain`` (AdamW) and ``effopd`` (the same, wrapped: −reverse-KL gate on 16
 fixed rollouts, geometric c, searches at steps 1, 2, 4, …). Progress is measured twice:
@@ -36,7 +36,7 @@ what separated the cells a jump could help.
 it starts it (``harness.Store(shared=True)``). ``--report-only`` rewrites md/png from the json.
 
 Choosing k (``--probe``, ``results/real_lm-probe.md``): EffOPD at lr 1e-4, 4 steps, on the
-RL teacher (``real_teacher.py``'s committed delta), one thread beside a one-thread job on the
+RL teacher (``builders/real_teacher.py``'s committed delta), one thread beside a one-thread job on the
 other core (the study's own setting). Held-out KL after 4 steps and a plain step's seconds
 (16 prompts):
 
@@ -77,21 +77,20 @@ import torch
 from benchmarks import harness
 from benchmarks.common import markdown_table, previous_results
 from benchmarks.harness import EFFOPD, FRACTIONS, fmt_range
-from benchmarks.real_teacher import DELTA, TASK  # the teacher's task is the study's
+
+# The real model's names, the harness's (no_harm and topk read them here too).
+STUDENT, TEACHER, TASK, LOSS = (harness.REAL_STUDENT, harness.REAL_TEACHER, harness.REAL_TASK,
+                                harness.REAL_LOSS)
+DELTA, KL_SEED, KL_PROBLEM_SEED = harness.REAL_DELTA, harness.KL_SEED, harness.KL_PROBLEM_SEED
 
 STEM = "real_lm"
 FULL_STEM = f"{STEM}-full"  # the every-block study: item 5 showed it is the one to ask
-STUDENT = "smollm2-135m-gguf"
-TEACHER = "smollm2-135m-rl"  # the named source: STUDENT plus real_teacher.py's delta
 LEGACY_TEACHER = "smollm2-135m-gguf-rl-15c1ac6efcdd"  # its cache folder before it was one
-LOSS = "reverse_kl_pg"  # the paper's: the sampled token's log-ratio as its reward
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)  # conservative (paper-like) first, ×~3 apart
 TOP_BLOCKS = 8  # chosen by --probe: see the module docstring
 PROBE_KS = (2, 8, 30)  # --probe: top-k blocks tried (30: every block of SmolLM2-135M)
 PROBE_STEPS = 4  # searches at 1, 2, 4; step 3 a plain step
 SEEDS = (0, 1, 2)
-KL_SEED = 0  # the held-out rollouts' sampling seed (one yardstick for every run)
-KL_PROBLEM_SEED = 1000  # which test prompts they are drawn from
 METHODS = {"plain": {}, "effopd": dict(EFFOPD)}
 NOISE = "noise"  # the B_noise run's method name
 NOISE_STEPS, NOISE_MICRO = 8, 4  # 16 prompts: micro-batches of 4
@@ -100,9 +99,7 @@ REPORT_OPTIONS = ("max_steps", "batch_size", "kl_every", "kl_size", "eval_every"
                   "gate_size", "lrs", "top_blocks", "seeds", "task", "full_check")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", default=None,
                    help=f"the teacher's model folder (default: {STUDENT} + the committed delta "
                    f"{DELTA.name}, rebuilt into the cache when missing)")
@@ -120,39 +117,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gate-size", type=int, default=16)
     p.add_argument("--no-full-check", dest="full_check", action="store_false",
                    help="skip stage 3 (every block trained at the conservative lr)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing this study's json (start each with the same options)")
-    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
-                   help="start no run after this many seconds (the json stays resumable)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
     p.add_argument("--probe", action="store_true",
                    help=f"measure a few steps per k in {PROBE_KS} instead (writes {STEM}-probe)")
-    p.add_argument("--smoke", action="store_true", help="a zoo pair, few steps (CI)")
-    a = p.parse_args(argv)
-    try:
-        a.lrs = [float(x) for x in a.lrs.split(",")]
-    except ValueError:
-        p.error(f"--lrs: not a list of numbers: {a.lrs!r}")
+
+
+# The smoke run: the committed tiny zoo pair, every stage, in a minute.
+SMOKE = dict(lrs="1e-3,4e-3", top_blocks=1, max_steps=4, batch_size=8, kl_every=2, kl_size=8,
+             eval_every=2, eval_size=40, gate_size=8)
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if isinstance(a.lrs, str):
+        try:
+            a.lrs = [float(x) for x in a.lrs.split(",")]
+        except ValueError:
+            p.error(f"--lrs: not a list of numbers: {a.lrs!r}")
     if not a.lrs or any(x <= 0 for x in a.lrs):
         p.error("--lrs: give one or more positive learning rates")
     if a.top_blocks < 0:
         p.error("--top-blocks must be >= 0 (0: every block)")
     if a.teacher is not None and not (Path(a.teacher) / "config.json").is_file():
         p.error(f"--teacher {a.teacher}: not a model folder (no config.json)")
-    a.stem, a.task, a.seeds, a.probe_ks = STEM, TASK, SEEDS, PROBE_KS
-    if a.top_blocks == 0:  # its own json: a study's report reads one part
+    a.task, a.seeds, a.probe_ks = TASK, SEEDS, PROBE_KS
+    if a.top_blocks == 0 and not a.smoke:  # its own json: a study's report reads one part
         a.stem = FULL_STEM
-    if a.smoke:  # the committed tiny zoo pair: the pipeline, every stage, in a minute
-        a.stem, a.task, a.seeds, a.probe_ks = f"{STEM}-smoke", "arithmetic", (0, 1), (1, 2)
-        a.lrs, a.top_blocks, a.max_steps, a.batch_size = [1e-3, 4e-3], 1, 4, 8
-        a.kl_every, a.kl_size, a.eval_every, a.eval_size, a.gate_size = 2, 8, 2, 40, 8
+    if a.smoke:
+        a.task, a.seeds, a.probe_ks = "arithmetic", (0, 1), (1, 2)
     a.noise_steps = 2 if a.smoke else NOISE_STEPS
     if a.probe:  # a few steps: accuracy only at step 0 and the last, on a few problems
         a.stem += "-probe"
         a.eval_every, a.eval_size, a.kl_every = 0, min(a.eval_size, 16), 2
-    return a
 
 
 # --------------------------------------------------------------------------- the pair
@@ -164,7 +158,7 @@ def teacher_folder(a: argparse.Namespace) -> str:
         return a.teacher
     if not DELTA.is_file():
         raise SystemExit(f"real_lm: no teacher: {DELTA} is not built yet (python -m "
-                         "benchmarks.real_teacher), and no --teacher FOLDER was given")
+                         "benchmarks.builders.real_teacher), and no --teacher FOLDER was given")
     from lookahead_opd.integrations.model_sources import resolve_model
 
     return resolve_model(TEACHER)
@@ -473,6 +467,30 @@ def every_block_verdict(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
             f"([{FULL_STEM}.md]({FULL_STEM}.md)): {said}"] if said else []
 
 
+def every_run_table(results: dict[str, Any]) -> str:
+    """One row per run, by part, method, lr (as a number) and seed."""
+    s = results["summary"]
+    headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",
+               "accuracy base → at cap", "acc. steps 50/75/90%", "kept / searches",
+               "gate share", "secant cos", "clock (s)"]
+    rows = []
+
+    def order(key: str) -> tuple[Any, ...]:
+        run = results["runs"][key]
+        return run["part"], run["method"], run["lr"], run["seed"]
+
+    for key in sorted(s["runs"], key=order):
+        r, run = s["runs"][key], results["runs"][key]
+        rows.append([run["part"], run["method"], f"{run['lr']:g}" + (
+            f" (seed {run['seed']})" if run["seed"] else ""),
+            f"{_n(r['kl0'])} → {_n(r['final_kl'])}", _steps(r, "kl"),
+            f"{_n(r['base'], '{:.1%}')} → {_n(r['final_accuracy'], '{:.1%}')}", _steps(r, "acc"),
+            f"{r['kept']} / {r['searches']}", _n(r["gate_share"], "{:.0%}"),
+            _n(r["secant_cosine"], "{:.2f}"), _n(r["clock"], "{:.0f}")
+            + (" (crashed)" if r["crashed"] else "")])
+    return markdown_table(headers, rows)
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     s, m = results["summary"], results["machine"]
     part = part_name(a, False)
@@ -494,24 +512,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "## Verdict", "", s["verdict"], *every_block_verdict(a, s), "", both_ends(a, s), "",
         "## Every run", "",
     ]
-    headers = ["part", "method", "lr", "KL start → at cap", "KL steps 50/75/90%",
-               "accuracy base → at cap", "acc. steps 50/75/90%", "kept / searches",
-               "gate share", "secant cos", "clock (s)"]
-    rows = []
-    def order(key: str) -> tuple[Any, ...]:  # by part, method, lr (as a number), seed
-        run = results["runs"][key]
-        return run["part"], run["method"], run["lr"], run["seed"]
-
-    for key in sorted(s["runs"], key=order):
-        r, run = s["runs"][key], results["runs"][key]
-        rows.append([run["part"], run["method"], f"{run['lr']:g}" + (
-            f" (seed {run['seed']})" if run["seed"] else ""),
-            f"{_n(r['kl0'])} → {_n(r['final_kl'])}", _steps(r, "kl"),
-            f"{_n(r['base'], '{:.1%}')} → {_n(r['final_accuracy'], '{:.1%}')}", _steps(r, "acc"),
-            f"{r['kept']} / {r['searches']}", _n(r["gate_share"], "{:.0%}"),
-            _n(r["secant_cosine"], "{:.2f}"), _n(r["clock"], "{:.0f}")
-            + (" (crashed)" if r["crashed"] else "")])
-    lines += [markdown_table(headers, rows), ""]
+    lines += [every_run_table(results), ""]
     if s.get("best"):
         lines += ["Best lr (seed 0; most of the KL drop, fewest steps, lowest final KL): "
                   + ", ".join(f"{k} {v:g}" for k, v in s["best"].items()) + ".", ""]
@@ -602,41 +603,19 @@ def probe_report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                         "their gate (s)", "held-out KL", "wall (s)"], rows), ""])
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the study
 
 
-def save(a: argparse.Namespace, store: harness.Store) -> None:
-    with store.locked():
-        store.sync()
-        if a.probe:
-            store.save(probe_report(a, store.data))
-            return
-        store.data["summary"] = summarize(a, store.data)
-        store.save(report(a, store.data))
-        plot(a, store.data)
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    store = harness.Store(a.out, a.stem, fresh=a.fresh, shared=a.workers > 1)
-    store.resume(commands=list, machines=list)
-    results = store.data
-    if a.report_only:
-        store.restore_report(a, REPORT_OPTIONS,
-                             keys=("student", "teacher", "teacher_accuracy", "chat_template"))
-        save(a, store)
-        return 0
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any], Any]:
+    """The pair (its teacher the json's), the teacher's accuracy once, the held-out KL probe."""
     pair = load_pair(a)  # before the json changes: no teacher, one line
-    old = store.old or {}
+    old, results = store.old or {}, store.data
     if not same_teacher(old.get("teacher"), pair["teacher_name"]):
         raise SystemExit(f"real_lm: the json's runs used teacher {old['teacher']}, not "
                          f"{pair['teacher_name']}; write elsewhere with --out, or --fresh")
-    results["config"] = {k: v for k, v in vars(a).items()}
     results["student"] = pair["path"] if a.smoke else STUDENT
     results["teacher"] = pair["teacher_name"]
     results["chat_template"] = bool(getattr(pair["tokenizer"], "chat_template", None))
-    store.stamp()
     task = harness.load_task(a.task, pair["tokenizer"])
     results["teacher_accuracy"] = old.get("teacher_accuracy")
     if results["teacher_accuracy"] is None and not a.probe:  # on seed 0's eval set, once
@@ -645,23 +624,30 @@ def main(argv: list[str] | None = None) -> int:
     kl = harness.HeldOutKL(pair["student"], pair["teacher"], pair["tokenizer"], task,
                            task.problems("test", a.kl_size, seed=KL_PROBLEM_SEED),
                            every=a.kl_every, max_new_tokens=task.max_new_tokens, seed=KL_SEED)
-    if a.probe:
-        jobs = [(run_key(f"top{k}", "effopd", a.lrs[len(a.lrs) // 2], 0),
-                 (f"top{k}", "effopd", a.lrs[len(a.lrs) // 2], 0)) for k in a.probe_ks]
-        harness.run_all(store, lambda: jobs,
-                        lambda job: run_one(a, pair, kl, *job, max_steps=PROBE_STEPS),
-                        lambda: save(a, store), desc=f"{a.stem} runs")
-        save(a, store)
-        return 0
+    return pair, kl
 
-    def jobs() -> list[tuple[str, tuple[str, str, float, int]]]:
-        return [(run_key(*job), job) for job in plan(a, results)]
 
-    harness.run_all(store, jobs, lambda job: run_one(a, pair, kl, *job), lambda: save(a, store),
-                    budget_s=a.budget_s, desc=f"{a.stem} runs")
-    save(a, store)
-    return 0
+def jobs(a: argparse.Namespace, store: harness.Store, ctx: Any) -> list[tuple[str, Any]]:
+    if a.probe:  # EffOPD at the middle lr, a few steps, per k
+        lr = a.lrs[len(a.lrs) // 2]
+        return [(run_key(f"top{k}", "effopd", lr, 0), (f"top{k}", "effopd", lr, 0))
+                for k in a.probe_ks]
+    return [(run_key(*job), job) for job in plan(a, store.data)]
 
+
+def run(a: argparse.Namespace, ctx: Any, job: tuple[str, str, float, int]) -> dict[str, Any]:
+    return run_one(a, *ctx, *job, max_steps=PROBE_STEPS if a.probe else None)
+
+
+STUDY = harness.Study(
+    STEM, __doc__, lambda a, results: (probe_report if a.probe else report)(a, results),
+    options=options, uses=("threads", "budget", "workers"), smoke=SMOKE, configure=configure,
+    report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_every", "eval_size",
+                    "gate_size", "lrs", "top_blocks", "seeds", "task", "full_check"),
+    prepare=prepare, jobs=jobs, run=run,
+    summarize=lambda a, results: None if a.probe else summarize(a, results),
+    plot=lambda a, results: None if a.probe else plot(a, results))
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -42,10 +42,12 @@ import torch
 from benchmarks import harness
 from benchmarks.common import markdown_table
 from benchmarks.harness import (
+    CELLS,
     EFFOPD,
     FRACTIONS,
     LEVELS,
     RETENTION,
+    STOP_FRACTION,
     TASKS,
     degraded,
     fmt_range,
@@ -54,133 +56,81 @@ from benchmarks.harness import (
 )
 
 STEM = "regimes"
-STOP_FRACTION = 0.9
 COUNT_FRACTION = 0.75  # plain at its best lr must reach this on every seed for the cell to count
 MIN_GAIN_SE = 5.0  # ... and the gain must be this many eval standard errors
 SPEEDUP_BAR = 1.2  # the question: is EffOPD at least this much faster on every paired seed?
-EVAL_SIZE = 1000
 STAGE2_SEEDS = (1, 2)
 RETENTION_BUDGET = 0.02
-ADAMW_LRS = (5e-4, 1e-3, 2e-3, 4e-3)
-SGD_LRS = (0.025, 0.05, 0.1)
-SGD_MOMENTUM = 0.9
+STAGES = ("1", "noise", "2")
 
 
-def _cells() -> dict[str, dict[str, Any]]:
-    """name -> cell spec, in the order the study runs them (most informative first: the rl
-    teacher, then the levels by tokens per step, highest first)."""
-    cells = [harness.cell(level, teacher, "adamw", ADAMW_LRS)
-             for teacher in ("rl", "sft") for level in ("long-128", "short-512", "short-32")]
-    cells += [harness.cell(level, "rl", "sgd", SGD_LRS, stage2="best")  # the two upper levels
-              for level in ("long-128", "short-512")]
-    cells.append(harness.cell("short-512", "retention", "adamw", ADAMW_LRS[:3], kind="retention",
-                              stage2="three-best"))
-    return dict(cells)
-
-CELLS = _cells()
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", default="all", help="comma-separated cell names, or all")
     p.add_argument("--stages", default="1,noise,2", help="which stages to run (comma-separated)")
     p.add_argument("--effopd-lrs", type=int, default=99,
                    help="budget cut: stage 1 runs EffOPD only at plain's N best lrs")
     p.add_argument("--stage2-lrs", type=int, default=99,
                    help="budget cut: stage 2 at each method's N best lrs at most")
-    p.add_argument("--max-steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--warmup-steps", type=int, default=4, help="linear lr warmup of every run")
-    p.add_argument("--eval-size", type=int, default=EVAL_SIZE)
+    p.add_argument("--max-steps", type=int, default=harness.REGIME_RUN["max_steps"])
+    p.add_argument("--eval-every", type=int, default=harness.REGIME_RUN["eval_every"])
+    p.add_argument("--warmup-steps", type=int, default=harness.REGIME_RUN["warmup_steps"],
+                   help="linear lr warmup of every run")
+    p.add_argument("--eval-size", type=int, default=harness.EVAL_SIZE)
     p.add_argument("--noise-steps", type=int, default=24, help="steps averaged for B_noise")
     p.add_argument("--noise-micro", type=int, default=8, help="micro-batches per step for B_noise")
     p.add_argument("--size", default=None, help="zoo model size (default: tiny; large for the "
                    "GPU grid)")
-    p.add_argument("--device", default="cpu")
     p.add_argument("--grid", choices=("cpu", "gpu"), default=None,
                    help="the staged CPU grid, or the GPU study (default: gpu on a cuda device)")
     p.add_argument("--gpu-prompts", default="4096,1024", help="GPU grid: prompts per step levels")
     p.add_argument("--gpu-teacher", default="rl", choices=("sft", "rl"), help="GPU grid: teacher")
     p.add_argument("--long-task", default=TASKS["long"], help="task spec of the long task")
-    p.add_argument("--budget_s", "--budget-s", dest="budget_s", type=float, default=None,
-                   help="start no run after this many seconds of runs (building the pairs is not "
-                   "counted; the json stays resumable)")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json, "
-                   "with the options its runs were made with")
     p.add_argument("--note", default=None, help="a paragraph for the report, under its title "
                    "(kept in the json: later runs into the same --out keep it)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps (CI)")
-    a = p.parse_args(argv)
-    a.stem, a.cell_specs, a.run_limit_s = STEM, dict(CELLS), None
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """The cells to run (the CPU grid, the GPU study, or the smoke cell) and their stages."""
+    a.cell_specs, a.run_limit_s = dict(CELLS), None
     a.grid = a.grid or ("gpu" if a.device.startswith("cuda") else "cpu")
     if a.long_task != TASKS["long"]:
         a.cell_specs = {k: {**c, "task": a.long_task} if c["task"] == TASKS["long"] else c
                         for k, c in a.cell_specs.items()}
-    if a.smoke:
-        # One short-task cell at 8 prompts, 2 lrs; stage 2 with one more seed.
+    if a.smoke:  # one short-task cell at 8 prompts, 2 lrs; stage 2 with one more seed
         a.cell_specs = {"smoke/sft/adamw": {**CELLS["short-32/sft/adamw"], "level": "smoke",
                                             "prompts": 8, "lrs": [1e-3, 4e-3]}}
-        a.cells, a.max_steps, a.eval_every, a.eval_size = "all", 6, 2, 40
-        a.noise_steps, a.noise_micro, a.stem = 3, 2, "regimes-smoke"
         a.stage2_seeds, a.gate_size, a.extend = (1,), 16, False
     elif a.grid == "gpu":
-        # The GPU study: the 69M zoo model on the long task, rl teacher, 1024-4096 prompts per
-        # step, 2 lrs x 2 methods, 1 seed. Each run gets an equal share of --budget_s (a run
-        # past it keeps its partial curve), so the study fits the device time it is given.
-        a.cell_specs = {}
-        for prompts in (int(x) for x in a.gpu_prompts.split(",")):
-            a.cell_specs[f"long-{prompts}/{a.gpu_teacher}/adamw"] = {
-                "level": f"long-{prompts}", "task": a.long_task, "prompts": prompts,
-                "teacher": a.gpu_teacher, "optimizer": "adamw", "lrs": [2.5e-4, 1e-3], "kind": "main",
-                "stage2": "none"}
-        a.size = a.size or "large"
-        a.stem, a.stage2_seeds, a.gate_size, a.extend = "regimes-gpu", (), 128, False
-        a.stages = "1,noise"
-        if a.budget_s is not None:
-            a.run_limit_s = a.budget_s / (4 * len(a.cell_specs) + 1)
+        gpu_grid(a)
     else:
         a.stage2_seeds, a.gate_size, a.extend = STAGE2_SEEDS, EFFOPD["gate_size"], True
     a.size = a.size or "tiny"
-    names = list(a.cell_specs) if a.cells == "all" else [s.strip() for s in a.cells.split(",")]
-    unknown = [n for n in names if n not in a.cell_specs]
+    a.names = list(a.cell_specs) if a.cells == "all" else [s.strip() for s in a.cells.split(",")]
+    unknown = [n for n in a.names if n not in a.cell_specs]
     if unknown:
         p.error(f"unknown cell(s) {unknown}; known: {', '.join(a.cell_specs)}")
-    a.names = names
     a.stage_list = [s.strip() for s in a.stages.split(",")]
-    bad = [s for s in a.stage_list if s not in ("1", "noise", "2")]
+    bad = [s for s in a.stage_list if s not in STAGES]
     if bad:
-        p.error(f"unknown stage(s) {bad}; known: 1, noise, 2")
-    return a
+        p.error(f"unknown stage(s) {bad}; known: {', '.join(STAGES)}")
 
 
-# The options that shape the runs and what the report says of them (``--report-only`` takes
-# them from the json, so a rewrite does not relabel the runs with this call's defaults).
-RUN_OPTIONS = ("cells", "stages", "effopd_lrs", "stage2_lrs", "max_steps", "eval_every",
-               "warmup_steps", "eval_size", "noise_steps", "noise_micro", "size", "device", "grid",
-               "gpu_prompts", "gpu_teacher", "long_task", "smoke")
-
-
-def report_args(a: argparse.Namespace, config: dict[str, Any]) -> argparse.Namespace:
-    """``a`` with the run options of a json's ``config``, for ``--report-only``."""
-    argv = ["--out", a.out, "--report-only"]
-    for key in RUN_OPTIONS:
-        value = config.get(key)
-        if value is None or value is False:
-            continue
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    return parse_args(argv)
-
-
-# --------------------------------------------------------------------------- models
-
-
-def pairs_for(a: argparse.Namespace) -> harness.Pairs:
-    return harness.Pairs(a.cache_dir, size=a.size, device=a.device)
+def gpu_grid(a: argparse.Namespace) -> None:
+    """The GPU study: the 69M zoo model on the long task, rl teacher, 1024-4096 prompts per
+    step, 2 lrs x 2 methods, 1 seed. Each run gets an equal share of --budget_s (a run past it
+    keeps its partial curve), so the study fits the device time it is given."""
+    a.cell_specs = {}
+    for prompts in (int(x) for x in a.gpu_prompts.split(",")):
+        a.cell_specs[f"long-{prompts}/{a.gpu_teacher}/adamw"] = {
+            "level": f"long-{prompts}", "task": a.long_task, "prompts": prompts,
+            "teacher": a.gpu_teacher, "optimizer": "adamw", "lrs": [2.5e-4, 1e-3],
+            "kind": "main", "stage2": "none"}
+    a.size = a.size or "large"
+    a.stem, a.stage2_seeds, a.gate_size, a.extend = "regimes-gpu", (), 128, False
+    a.stages = "1,noise"
+    if a.budget_s is not None:
+        a.run_limit_s = a.budget_s / (4 * len(a.cell_specs) + 1)
 
 
 # --------------------------------------------------------------------------- runs
@@ -188,14 +138,11 @@ def pairs_for(a: argparse.Namespace) -> harness.Pairs:
 
 def config_for(a: argparse.Namespace, cell: dict[str, Any], method: str, lr: float, seed: int,
                target: float | None, **extra: Any) -> Any:
-    opt = dict(optimizer="sgd", momentum=SGD_MOMENTUM) if cell["optimizer"] == "sgd" else {}
     eff = {**EFFOPD, "gate_size": a.gate_size} if method == "effopd" else {}
-    eval_n = len(harness.eval_problems(harness.load_task(cell["task"]), a.eval_size, seed))
-    return harness.opd_config(
-        a.stem, f"{method}-{lr:g}-{seed}", task=cell["task"], max_steps=a.max_steps,
-        batch_size=cell["prompts"], learning_rate=lr, warmup_steps=a.warmup_steps,
-        eval_every=a.eval_every, eval_size=eval_n, seed=seed, stop_at_accuracy=target,
-        device=a.device, **opt, **eff, **extra)
+    return harness.cell_config(
+        a.stem, f"{method}-{lr:g}-{seed}", cell, lr, seed, target, a.eval_size,
+        max_steps=a.max_steps, warmup_steps=a.warmup_steps, eval_every=a.eval_every,
+        device=a.device, **eff, **extra)
 
 
 def run_key(cell: str, method: str, lr: float, seed: int) -> str:
@@ -206,6 +153,7 @@ def base_and_targets(a: argparse.Namespace, results: dict[str, Any], models: har
                      cell_name: str, seed: int) -> dict[str, Any]:
     """The base's accuracy on this seed's eval set, the teacher's (all of test) and the targets."""
     return harness.base_and_targets(results, models, a.cell_specs[cell_name], seed, a.eval_size)
+
 
 def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     """An ``OPDTrainer`` whose EffOPD gate scores −∞ (below every −reverse KL; the issue's −1
@@ -222,12 +170,26 @@ def retention_gate(trainer_cls: type, held_out: Any, floor: float) -> type:
     return RetentionGatedTrainer
 
 
+def retention_hooks(a: argparse.Namespace, pair: dict[str, Any], bt: dict[str, Any],
+                    method: str, seed: int) -> tuple[type, Any]:
+    """A retention cell's trainer (EffOPD: gated on the held-out task) and what a run measures
+    of the held-out task at its end."""
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+
+    held = harness.load_task(RETENTION["held_out"])
+    held_out = {"task": held, "problems": held.problems("gate", min(a.gate_size, len(
+        held.problems("gate"))), seed=seed)}
+    trainer_cls = OPDTrainer
+    if method == "effopd":
+        trainer_cls = retention_gate(OPDTrainer, held_out, bt["retention_base"] - RETENTION_BUDGET)
+
+    def on_student(m: Any) -> float:
+        return harness.accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
+    return trainer_cls, on_student
 
 
 def run_one(a: argparse.Namespace, results: dict[str, Any], models: harness.Pairs, cell_name: str,
             method: str, lr: float, seed: int, *, noise: bool = False) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.trainer import OPDTrainer
-
     cell = a.cell_specs[cell_name]
     pair = models.get(cell["task"], cell["teacher"])
     bt = base_and_targets(a, results, models, cell_name, seed)
@@ -237,18 +199,9 @@ def run_one(a: argparse.Namespace, results: dict[str, Any], models: harness.Pair
             gradient_accumulation_steps=a.noise_micro)
     else:
         config = config_for(a, cell, method, lr, seed, bt["targets"][f"{STOP_FRACTION:g}"])
-    trainer_cls = OPDTrainer
-    on_student = None
+    trainer_cls = on_student = None
     if cell["kind"] == "retention":
-        held = harness.load_task(RETENTION["held_out"])
-        held_out = {"task": held, "problems": held.problems("gate", min(a.gate_size, len(
-            held.problems("gate"))), seed=seed)}
-        if method == "effopd":
-            trainer_cls = retention_gate(OPDTrainer, held_out,
-                                         bt["retention_base"] - RETENTION_BUDGET)
-
-        def on_student(m: Any) -> float:
-            return harness.accuracy(m, pair["tokenizer"], RETENTION["held_out"], a.eval_size, seed)
+        trainer_cls, on_student = retention_hooks(a, pair, bt, method, seed)
     probes: list[harness.NoiseProbe] = []
 
     def noise_probe(model: torch.nn.Module) -> list[harness.NoiseProbe]:
@@ -371,56 +324,43 @@ def pending(a: argparse.Namespace, results: dict[str, Any], cell_name: str,
 # --------------------------------------------------------------------------- summary
 
 
-def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:
-    cell = a.cell_specs[cell_name]
-    bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
-    out: dict[str, Any] = {"cell": cell_name, **{k: cell[k] for k in ("level", "prompts", "teacher",
-                                                                         "optimizer", "kind")}}
-    if bt is None or not any(r["cell"] == cell_name for r in results["runs"].values()):
-        return {**out, "status": "not run"}
-    out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
-               gain_se=bt["gain_se"], eval_n=bt["eval_n"], retention_base=bt.get("retention_base"))
-    methods: dict[str, Any] = {}
-    out["per_lr"] = {}
-    for method in ("plain", "effopd"):
-        runs = cell_runs(results, cell_name, method)
-        out["per_lr"][method] = {
-            f"{lr:g}": {"seeds": [r["seed"] for r in v], "final": [r["final_accuracy"] for r in v],
-                        "degraded": [degraded(r) for r in v],
-                        **{k: [_reached(r, bt)[k] for r in v] for k in _reached(v[0], bt)},
-                        "retention": [r.get("extra") for r in v],
-                        "stopped": [bool(r.get("stopped")) for r in v]}
-            for lr, v in runs.items()}
-        # The best lr among those run on the most seeds (in a retention cell, among the lrs
-        # whose every seed kept the budget).
-        runs = {lr: rs for lr, rs in runs.items() if within_budget(rs, bt)}
-        if not runs:
-            continue
-        n_max = max(len(rs) for rs in runs.values())
-        full = {lr: rs for lr, rs in runs.items() if len(rs) == n_max}
-        best = min(full, key=lambda lr: rank_key(full[lr], bt))
-        rs = full[best]
-        cos = [c for r in rs for s, c in r.get("secant_cosines", []) if s >= 8]
-        methods[method] = {
-            "best_lr": best, "seeds": [r["seed"] for r in rs],
-            **{k: [_reached(r, bt)[k] for r in rs] for k in _reached(rs[0], bt)},
-            "final": [r["final_accuracy"] for r in rs],
-            "searches": [len(r["jumps"]) for r in rs],
-            "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"]]
-                               for r in rs],
-            "secant_cosine": statistics.fmean(cos) if cos else None,
-            "tokens_per_step": mean([r.get("tokens_per_step") for r in rs]),
-            "gate_share": [gate_share(r) for r in rs],
-        }
-    out["methods"] = methods
-    noise = [r for r in results["runs"].values() if r["cell"] == cell_name and r["method"] == "noise"]
-    out["noise"] = noise[0].get("noise") if noise else None
-    if "plain" not in methods or "effopd" not in methods:
-        if cell["kind"] == "retention":
-            out["count_reason"] = (f"no run of {' or '.join(m for m in ('plain', 'effopd') if m not in methods)}"
-                                   f" kept {RETENTION['held_out']} within {100 * RETENTION_BUDGET:g} points of the base")
-        return {**out, "status": "partial"}
-    p, e = methods["plain"], methods["effopd"]
+def lr_row(runs: list[dict[str, Any]], bt: dict[str, Any]) -> dict[str, Any]:
+    """One lr of a method in a cell: per seed, its steps and seconds to each fraction, final
+    accuracy, whether it degraded, what it kept of a held-out task, whether a limit cut it."""
+    return {"seeds": [r["seed"] for r in runs], "final": [r["final_accuracy"] for r in runs],
+            "degraded": [degraded(r) for r in runs],
+            **{k: [_reached(r, bt)[k] for r in runs] for k in _reached(runs[0], bt)},
+            "retention": [r.get("extra") for r in runs],
+            "stopped": [bool(r.get("stopped")) for r in runs]}
+
+
+def best_of(runs: dict[float, list[dict[str, Any]]], bt: dict[str, Any]) -> dict[str, Any] | None:
+    """A method at its best lr among those run on the most seeds (in a retention cell, among
+    the lrs whose every seed kept the budget); None when no lr qualifies."""
+    runs = {lr: rs for lr, rs in runs.items() if within_budget(rs, bt)}
+    if not runs:
+        return None
+    n_max = max(len(rs) for rs in runs.values())
+    full = {lr: rs for lr, rs in runs.items() if len(rs) == n_max}
+    best = min(full, key=lambda lr: rank_key(full[lr], bt))
+    rs = full[best]
+    cos = [c for r in rs for s, c in r.get("secant_cosines", []) if s >= 8]
+    return {
+        "best_lr": best, "seeds": [r["seed"] for r in rs],
+        **{k: [_reached(r, bt)[k] for r in rs] for k in _reached(rs[0], bt)},
+        "final": [r["final_accuracy"] for r in rs],
+        "searches": [len(r["jumps"]) for r in rs],
+        "accepted_jumps": [[(j["step"], j["accepted"]) for j in r["jumps"] if j["accepted"]]
+                           for r in rs],
+        "secant_cosine": statistics.fmean(cos) if cos else None,
+        "tokens_per_step": mean([r.get("tokens_per_step") for r in rs]),
+        "gate_share": [gate_share(r) for r in rs],
+    }
+
+
+def paired_ratios(p: dict[str, Any], e: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+    """The seeds both methods ran at their best lr, and plain ÷ EffOPD per seed of the steps and
+    seconds to each fraction (None: one of them did not reach it)."""
     paired = [s for s in e["seeds"] if s in p["seeds"]]
     ratios: dict[str, list[float | None]] = {}
     for f in FRACTIONS:
@@ -431,8 +371,32 @@ def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: st
                 ps, es = p[k][p["seeds"].index(s)], e[k][e["seeds"].index(s)]
                 vals.append(None if ps is None or es is None or es == 0 else ps / es)
             ratios[k] = vals
-    out["paired_seeds"] = paired
-    out["ratios"] = ratios
+    return paired, ratios
+
+
+def summarize_cell(a: argparse.Namespace, results: dict[str, Any], cell_name: str) -> dict[str, Any]:
+    cell = a.cell_specs[cell_name]
+    bt = results["bases"].get(f"{cell['task']}|{cell['teacher']}|0")
+    out: dict[str, Any] = {"cell": cell_name, **{k: cell[k] for k in ("level", "prompts", "teacher",
+                                                                         "optimizer", "kind")}}
+    if bt is None or not any(r["cell"] == cell_name for r in results["runs"].values()):
+        return {**out, "status": "not run"}
+    out.update(base=bt["base"], teacher_accuracy=bt["teacher"], gain=bt["gain"],
+               gain_se=bt["gain_se"], eval_n=bt["eval_n"], retention_base=bt.get("retention_base"))
+    runs = {m: cell_runs(results, cell_name, m) for m in ("plain", "effopd")}
+    out["per_lr"] = {m: {f"{lr:g}": lr_row(v, bt) for lr, v in by_lr.items()}
+                     for m, by_lr in runs.items()}
+    out["methods"] = methods = {m: best for m, by_lr in runs.items()
+                                if (best := best_of(by_lr, bt)) is not None}
+    noise = [r for r in results["runs"].values() if r["cell"] == cell_name and r["method"] == "noise"]
+    out["noise"] = noise[0].get("noise") if noise else None
+    if "plain" not in methods or "effopd" not in methods:
+        if cell["kind"] == "retention":
+            out["count_reason"] = (f"no run of {' or '.join(m for m in ('plain', 'effopd') if m not in methods)}"
+                                   f" kept {RETENTION['held_out']} within {100 * RETENTION_BUDGET:g} points of the base")
+        return {**out, "status": "partial"}
+    p = methods["plain"]
+    out["paired_seeds"], out["ratios"] = paired, ratios = paired_ratios(p, methods["effopd"])
     reach = p[f"steps_{COUNT_FRACTION:g}"]
     out["counts"] = bool(all(x is not None for x in reach) and bt["gain"] >= MIN_GAIN_SE * bt["gain_se"])
     out["count_reason"] = ("counts" if out["counts"] else
@@ -535,10 +499,10 @@ def retention_line(name: str, c: dict[str, Any]) -> str:
             "refuses jumps that cost the held-out task; the optimizer's own steps cost it anyway.\n")
 
 
-def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
-    s, m, cfg = results["summary"], results["machine"], results["config"]
-    counted = [n for n, c in s.items() if c.get("counts")]
-    lines = [
+def header(results: dict[str, Any]) -> list[str]:
+    """The title, the note, what made the runs and how to read the tables."""
+    m, cfg = results["machine"], results["config"]
+    return [
         "# The regime map: EffOPD vs plain OPD at its best learning rate",
         "",
         *([results["note"], ""] if results.get("note") else []),
@@ -557,9 +521,84 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "training clock, and the CPU runs shared 2 cores with other jobs (load up to 10–15), so "
         "a seconds ratio far from 1 where the steps are equal is the clock's noise, not the method.",
         "",
+    ]
+
+
+MAP_HEADERS = ["cell", "tokens/step", "B_noise (prompts / tokens)", "base → teacher", "counts",
+               "plain best lr", "EffOPD best lr", "steps to 50/75/90% plain", "EffOPD",
+               "seconds to that fraction, plain", "EffOPD", "paired ratio (steps) at",
+               "seconds ratio", "EffOPD gate share of its clock", "EffOPD jumps kept / searches",
+               "secant cos (plain, s≥8)", "status"]
+
+
+def map_row(name: str, c: dict[str, Any]) -> list[Any]:
+    """A cell's row of the map: each method at its best lr, the paired ratios, the gate."""
+    p, e = c["methods"].get("plain"), c["methods"].get("effopd")
+    noise = c.get("noise")
+    nz = "—" if not noise else f"{noise['b_noise_rows']:.0f} / {noise['b_noise_tokens']:.0f}"
+    tps = p and p.get("tokens_per_step")
+    f = c.get("verdict_fraction")
+
+    def steps(x: dict[str, Any] | None) -> str:
+        return "—" if x is None else " / ".join(fmt_range(x[f"steps_{fr:g}"]) for fr in FRACTIONS)
+
+    return [
+        name, "—" if not tps else f"{tps:.0f}", nz,
+        f"{c['base']:.1%} → {c['teacher_accuracy']:.1%} (SE {c['gain_se']:.1%})",
+        "yes" if c.get("counts") else f"no: {c.get('count_reason', c['status'])}",
+        "—" if p is None else f"{p['best_lr']:g}", "—" if e is None else f"{e['best_lr']:g}",
+        steps(p), steps(e),
+        "—" if p is None or f is None else fmt_range(p[f"seconds_{f:g}"], "{:.1f}"),
+        "—" if e is None or f is None else fmt_range(e[f"seconds_{f:g}"], "{:.1f}"),
+        "—" if f is None else f"{f:.0%}: {_ratios(c['ratios'][f'steps_{f:g}'])}",
+        "—" if f is None else _ratios(c["ratios"][f"seconds_{f:g}"]),
+        "—" if e is None or None in e["gate_share"] else fmt_range([100 * x for x in e["gate_share"]], "{:.1f}%"),
+        "—" if e is None else ", ".join(f"{len(k)}/{n}" for k, n in zip(
+            e["accepted_jumps"], e["searches"], strict=True)),
+        "—" if p is None or p["secant_cosine"] is None else f"{p['secant_cosine']:.2f}",
+        c["status"]]
+
+
+def every_lr(name: str, c: dict[str, Any]) -> list[str]:
+    """A cell's table of every lr of both methods, per seed."""
+    rows = []
+    for method, per_lr in c["per_lr"].items():
+        for lr, d in per_lr.items():
+            cells = [" / ".join("—" if d[f"steps_{fr:g}"][i] is None else str(d[f"steps_{fr:g}"][i])
+                                for fr in FRACTIONS) for i in range(len(d["seeds"]))]
+            ret = "" if all(x is None for x in d["retention"]) else (
+                "; kept " + ", ".join(f"{x:.1%}" for x in d["retention"]))
+            cut = "" if not any(d["stopped"]) else " (time limit)"
+            rows.append([method, lr, "; ".join(cells) + cut, fmt_range(d["final"], "{:.1%}") + ret,
+                         "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
+    return [f"### {name}", "", markdown_table(
+        ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
+
+
+def pair_lines(results: dict[str, Any]) -> list[str]:
+    """The zoo pair each task and teacher ran on."""
+    lines = ["## Pairs", "", "The zoo pair each task and teacher ran on (zoo builds are seeded but "
+             "differ across machines and thread counts; a rerun on a pair that differs skips "
+             "the cell rather than mix two pairs in one map):", ""]
+    pairs = results.get("pairs", {})
+    for key in dict.fromkeys(k.rsplit("|", 1)[0] for k in results["bases"]):
+        rec = pairs.get(key)
+        acc = rec["accuracies"] if rec else {}
+        lines.append(f"- {key}: " + (f"`{rec['build']}`, " + ", ".join(
+            f"{k} {v:.1%}" for k, v in acc.items() if isinstance(v, float)) if rec else
+            "built in the first session, not recorded (its teacher's accuracy is in the map)"))
+    return [*lines, ""]
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    s = results["summary"]
+    counted = [n for n, c in s.items() if c.get("counts")]
+    ran = {n: c for n, c in s.items() if c["status"] != "not run"}
+    lines = [
+        *header(results),
         f"**Verdict.** {verdict(s)}",
         "",
-        f"**Cells counted: {len(counted)} of {sum(c.get('status') != 'not run' for c in s.values())} run** "
+        f"**Cells counted: {len(counted)} of {len(ran)} run** "
         f"(a cell counts when plain at its best lr reaches {COUNT_FRACTION:.0%} of the gain on "
         f"every seed and the gain is ≥{MIN_GAIN_SE:g} eval standard errors): "
         f"{', '.join(counted) or 'none'}.",
@@ -568,75 +607,18 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         *[line for name, c in s.items() if (line := retention_line(name, c))],
         "## The map",
         "",
+        markdown_table(MAP_HEADERS, [map_row(name, c) for name, c in ran.items()]),
+        "",
+        *(["![heat map](regimes_map.png)", ""] if a.stem == STEM else []),
+        "## Every learning rate", "",
+        "Steps to 50 / 75 / 90% of the gain per seed ('—': not reached in the cap); "
+        "'degraded': final accuracy below the start, or a crash.", "",
+        *[line for name, c in ran.items() for line in every_lr(name, c)],
+        *pair_lines(results),
+        "## Not run", "", "What the full staged protocol asks for and is not in the json "
+        "(stopped for the CPU budget unless a reason is given):", "",
+        *(not_run(a, results) or ["- every run of the grid ran."]),
     ]
-    headers = ["cell", "tokens/step", "B_noise (prompts / tokens)", "base → teacher", "counts",
-               "plain best lr", "EffOPD best lr", "steps to 50/75/90% plain", "EffOPD",
-               "seconds to that fraction, plain", "EffOPD", "paired ratio (steps) at", "seconds ratio",
-               "EffOPD gate share of its clock", "EffOPD jumps kept / searches",
-               "secant cos (plain, s≥8)", "status"]
-    rows = []
-    for name, c in s.items():
-        if c["status"] == "not run":
-            continue
-        p, e = c["methods"].get("plain"), c["methods"].get("effopd")
-        noise = c.get("noise")
-        nz = "—" if not noise else f"{noise['b_noise_rows']:.0f} / {noise['b_noise_tokens']:.0f}"
-        tps = p and p.get("tokens_per_step")
-        f = c.get("verdict_fraction")
-
-        def steps(x: dict[str, Any] | None) -> str:
-            return "—" if x is None else " / ".join(fmt_range(x[f"steps_{fr:g}"]) for fr in FRACTIONS)
-
-        rows.append([
-            name, "—" if not tps else f"{tps:.0f}", nz,
-            f"{c['base']:.1%} → {c['teacher_accuracy']:.1%} (SE {c['gain_se']:.1%})",
-            "yes" if c.get("counts") else f"no: {c.get('count_reason', c['status'])}",
-            "—" if p is None else f"{p['best_lr']:g}", "—" if e is None else f"{e['best_lr']:g}",
-            steps(p), steps(e),
-            "—" if p is None or f is None else fmt_range(p[f"seconds_{f:g}"], "{:.1f}"),
-            "—" if e is None or f is None else fmt_range(e[f"seconds_{f:g}"], "{:.1f}"),
-            "—" if f is None else f"{f:.0%}: {_ratios(c['ratios'][f'steps_{f:g}'])}",
-            "—" if f is None else _ratios(c["ratios"][f"seconds_{f:g}"]),
-            "—" if e is None or None in e["gate_share"] else fmt_range([100 * x for x in e["gate_share"]], "{:.1f}%"),
-            "—" if e is None else ", ".join(f"{len(k)}/{n}" for k, n in zip(
-                e["accepted_jumps"], e["searches"], strict=True)),
-            "—" if p is None or p["secant_cosine"] is None else f"{p['secant_cosine']:.2f}",
-            c["status"]])
-    lines += [markdown_table(headers, rows), ""]
-    lines += ["![heat map](regimes_map.png)", ""] if a.stem == STEM else []
-    # Every lr of every cell.
-    lines += ["## Every learning rate", "",
-              "Steps to 50 / 75 / 90% of the gain per seed ('—': not reached in the cap); "
-              "'degraded': final accuracy below the start, or a crash.", ""]
-    for name, c in s.items():
-        if c["status"] == "not run":
-            continue
-        rows = []
-        for method, per_lr in c["per_lr"].items():
-            for lr, d in per_lr.items():
-                cells = [" / ".join("—" if d[f"steps_{fr:g}"][i] is None else str(d[f"steps_{fr:g}"][i])
-                                    for fr in FRACTIONS) for i in range(len(d["seeds"]))]
-                ret = "" if all(x is None for x in d["retention"]) else (
-                    "; kept " + ", ".join(f"{x:.1%}" for x in d["retention"]))
-                cut = "" if not any(d["stopped"]) else " (time limit)"
-                rows.append([method, lr, "; ".join(cells) + cut, fmt_range(d["final"], "{:.1%}") + ret,
-                             "yes" if any(d["degraded"]) else "no", len(d["seeds"])])
-        lines += [f"### {name}", "", markdown_table(
-            ["method", "lr", "steps to 50/75/90% per seed", "final acc", "degraded", "seeds"], rows), ""]
-    lines += ["## Pairs", "", "The zoo pair each task and teacher ran on (zoo builds are seeded but "
-              "differ across machines and thread counts; a rerun on a pair that differs skips "
-              "the cell rather than mix two pairs in one map):", ""]
-    pairs = results.get("pairs", {})
-    for key in dict.fromkeys(k.rsplit("|", 1)[0] for k in results["bases"]):
-        rec = pairs.get(key)
-        acc = rec["accuracies"] if rec else {}
-        lines.append(f"- {key}: " + (f"`{rec['build']}`, " + ", ".join(
-            f"{k} {v:.1%}" for k, v in acc.items() if isinstance(v, float)) if rec else
-            "built in the first session, not recorded (its teacher's accuracy is in the map)"))
-    lines += [""]
-    lines += ["## Not run", "", "What the full staged protocol asks for and is not in the json "
-              "(stopped for the CPU budget unless a reason is given):", ""]
-    lines += not_run(a, results) or ["- every run of the grid ran."]
     return "\n".join(lines) + "\n"
 
 
@@ -705,45 +687,20 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the study
 
 
-def save(a: argparse.Namespace, store: harness.Store) -> None:
-    store.data["summary"] = summarize(a, store.data)
-    store.save(report(a, store.data))
-    plot(a, store.data, store.out)
-
-
-def main(argv: list[str] | None = None) -> int:
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[harness.Pairs, list[str]]:
+    """The pairs (built, minutes, or loaded) and the cells whose pair is the json's."""
     from tqdm.auto import tqdm
 
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    store = harness.Store(a.out, a.stem, fresh=a.fresh)
-    results, old = store.data, store.old
-    store.resume(bases=dict, unavailable=dict, pairs=dict)
-    if old is not None:
-        results["commands"] = old.get("commands", [])
-        # The machines the runs so far ran on (a json from before this record: its last one).
-        results["machines"] = old.get("machines") or [old.get("machine", {}).get("cpu_model")]
-    if a.report_only:
-        if old is None:
-            raise SystemExit(f"regimes: --report-only: no {a.stem}.json in {a.out}")
-        a = report_args(a, old.get("config", {}))
+    results = store.data
     if a.note is not None:
         results["note"] = a.note
-    elif old is not None and old.get("note"):
-        results["note"] = old["note"]
-    results["config"] = {k: v for k, v in vars(a).items() if k not in ("names", "cell_specs")}
     results["cells"] = a.cell_specs
-    if a.report_only:  # a report alone is not a run: the machine and commit stay the runs'
-        results["machine"] = old["machine"]
-        save(a, store)
-        return 0
-    store.stamp(a.device)
-    models = pairs_for(a)
+    models = harness.Pairs(a.cache_dir, size=a.size, device=a.device)
     ready = []
-    for name in a.names:  # every pair first: built (minutes) or loaded, then checked
+    for name in a.names:
         cell = a.cell_specs[name]
         pair = models.get(cell["task"], cell["teacher"])
         why = (f"pair not available: {pair['error']}" if "error" in pair
@@ -754,27 +711,34 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results["unavailable"].pop(name, None)
         ready.append(name)
+    return models, ready
 
-    def jobs() -> list[tuple[str, tuple[str, str, float, int, bool]]]:
-        # Stage by stage: the first cell with a pending run of the earliest stage that has one.
-        for stage in a.stage_list:
-            for name in ready:
-                if todo := pending(a, results, name, stage):
-                    return [(run_key(name, m, lr, seed), (name, m, lr, seed, noise))
-                            for m, lr, seed, noise in todo]
-        return []
 
-    def run_job(job: tuple[str, str, float, int, bool]) -> dict[str, Any]:
-        name, method, lr, seed, noise = job
-        return run_one(a, results, models, name, method, lr, seed, noise=noise)
+def jobs(a: argparse.Namespace, store: harness.Store, ctx: Any) -> list[tuple[str, Any]]:
+    """Stage by stage: the first cell with a pending run of the earliest stage that has one."""
+    for stage in a.stage_list:
+        for name in ctx[1]:
+            if todo := pending(a, store.data, name, stage):
+                return [(run_key(name, m, lr, seed), (store.data, name, m, lr, seed, noise))
+                        for m, lr, seed, noise in todo]
+    return []
 
-    done = harness.run_all(store, jobs, run_job, lambda: save(a, store), budget_s=a.budget_s,
-                           desc=f"{a.stem} runs")
-    save(a, store)
-    if done:
-        print(report(a, results))
-    return 0
 
+def run(a: argparse.Namespace, ctx: Any, job: tuple[Any, ...]) -> dict[str, Any]:
+    results, name, method, lr, seed, noise = job
+    return run_one(a, results, ctx[0], name, method, lr, seed, noise=noise)
+
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, uses=("threads", "budget"), devices=("cpu", "cuda"),
+    smoke=dict(cells="all", max_steps=6, eval_every=2, eval_size=40, noise_steps=3, noise_micro=2),
+    configure=configure, fields=dict(bases=dict, unavailable=dict, pairs=dict),
+    report_options=("cells", "stages", "effopd_lrs", "stage2_lrs", "max_steps", "eval_every",
+                    "warmup_steps", "eval_size", "noise_steps", "noise_micro", "size", "device",
+                    "grid", "gpu_prompts", "gpu_teacher", "long_task", "smoke"),
+    private=("cell_specs", "names"), prepare=prepare, jobs=jobs, run=run, summarize=summarize,
+    plot=lambda a, results: plot(a, results, Path(a.out)))
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

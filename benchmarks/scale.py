@@ -16,8 +16,9 @@ downloaded weights:
    straight the plain path is: the cosine between successive secants
    ``W_{2^n} − W_{2^{n−1}}`` at the search steps 1, 2, 4, 8, …
 
-Results are rewritten after every run (a time-out keeps what finished). ``--smoke`` runs the
-same code on CPU in a couple of minutes (tiny model, few steps).
+Results are rewritten after every run (a time-out keeps what finished; ``--budget_s``, default
+440 s for the whole study, skips the runs that would not fit). ``--smoke`` runs the same code on
+CPU in a couple of minutes (tiny model, few steps).
 
     python -m benchmarks.scale --device cuda --out benchmarks/results   # one H200: ~5-7 minutes
     python -m benchmarks.scale --smoke --out /tmp/scale                  # CPU check of the pipeline
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.common import machine_info, markdown_table, previous_results, write_results
+from benchmarks.common import markdown_table
 
 STEM = "scale"
 
@@ -43,10 +44,7 @@ STEM = "scale"
 # --------------------------------------------------------------------------- setup
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="large", help="zoo size of the base (large: ~69M params)")
     p.add_argument("--task", default="arithmetic:ops=+*,digits=2")
     p.add_argument("--seed", type=int, default=0)
@@ -64,18 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument("--no-paper-variant", dest="paper_variant", action="store_false",
                    help="skip the paper's EffOPD (accuracy gate on 50, linear 2k) at the first lr")
-    p.add_argument("--time-budget", type=float, default=440.0,
-                   help="seconds for the whole script; runs that would not fit are skipped")
-    p.add_argument("--smoke", action="store_true", help="tiny model, few steps, CPU: checks the pipeline")
-    p.add_argument("--stem", default=STEM, help="the results' file name (<stem>.json/.md/.png)")
-    p.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
-    a = p.parse_args(argv)
-    if a.smoke:
-        a.size, a.device, a.batch_size, a.steps = "tiny", "cpu", 32, 8
-        a.base_seconds, a.teacher_seconds, a.pretrain_lr, a.pretrain_batch = 20.0, 20.0, 3e-3, 128
-        a.gate_size, a.eval_size, a.eval_every, a.lrs = 32, 64, 4, "3e-4"
-        a.task = "arithmetic"
-    return a
+
+
+BUDGET_S = 440.0  # --budget_s: seconds for the whole study; runs that would not fit are skipped
+# The smoke run: a tiny model, few steps, on the CPU.
+SMOKE = dict(size="tiny", device="cpu", batch_size=32, steps=8, base_seconds=20.0,
+             teacher_seconds=20.0, pretrain_lr=3e-3, pretrain_batch=128, gate_size=32,
+             eval_size=64, eval_every=4, lrs="3e-4", task="arithmetic")
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    a.budget_s = BUDGET_S if a.budget_s is None else a.budget_s
 
 
 def lr_list(spec: str) -> list[float]:
@@ -90,9 +87,10 @@ def lr_list(spec: str) -> list[float]:
 
 def build_models(a: argparse.Namespace, log: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """Base (the student) and teacher (the base trained further), each within a time limit."""
+    from lookahead_opd.demo.zoo import make_model, pretrain
+    from lookahead_opd.integrations.opd.scoring import model_accuracy as greedy_accuracy
     from lookahead_opd.integrations.opd.tasks import load_task
     from lookahead_opd.integrations.opd.tokenizer import char_tokenizer
-    from lookahead_opd.integrations.opd.zoo import greedy_accuracy, make_model, pretrain
 
     task = load_task(a.task)
     tokenizer = char_tokenizer()
@@ -140,10 +138,12 @@ class PathRecorder(harness.SecantProbe):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        self.points: dict[int, torch.Tensor] = {0: self.last}
+        self.points: dict[int, torch.Tensor] = {}
 
     def __call__(self, metrics: dict[str, Any]) -> None:
         super().__call__(metrics)
+        if not self.points and self.last is not None:  # step 0: the probe's first copy
+            self.points[0] = self.last
         if self.norms and self.norms[-1][0] == metrics["step"]:
             self.points[metrics["step"]] = self.last
 
@@ -167,11 +167,11 @@ class PathRecorder(harness.SecantProbe):
 
 def run_opd(a: argparse.Namespace, task: Any, tokenizer: Any, student0: Any, teacher: Any, *,
             name: str, lr: float, extrapolate: bool, gate: str = "neg_kl", gate_size: int | None = None,
-            coefficients: str = "geometric", out_dir: Path) -> dict[str, Any]:
-    from lookahead_opd.integrations.opd.compare import run_variant
+            coefficients: str = "geometric") -> dict[str, Any]:
+    from lookahead_opd.demo.compare import run_variant
 
     config = harness.opd_config(
-        STEM, name, task=a.task, output_dir=str(out_dir / name), batch_size=a.batch_size, max_steps=a.steps,
+        STEM, name, task=a.task, batch_size=a.batch_size, max_steps=a.steps,
         learning_rate=lr, warmup_steps=0, optimizer="adamw", loss="reverse_kl_pg",
         max_grad_norm=1.0, extrapolate=extrapolate, gate=gate,
         gate_size=gate_size or a.gate_size, coefficients=coefficients, max_candidates=5,
@@ -220,7 +220,21 @@ def ratio(plain: float | None, other: float | None) -> str:
     return f"{plain / other:.2f}×"
 
 
-def report(results: dict[str, Any]) -> str:
+def runs_of(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs in the order they ran (a json before the harness's store kept them in a list)."""
+    runs = results["runs"]
+    return list(runs.values()) if isinstance(runs, dict) else runs
+
+
+def summarize_runs(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    """Each run's summary against the targets, kept in the run."""
+    for r in runs_of(results):
+        r["summary"] = summarize(r, results["target_accuracy"], results["target_kl"])
+
+
+def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
+    if not runs_of(results):
+        return "# Scale study: no run yet"
     m = results["models"]
     lines = [
         f"# Scale study: OPD vs EffOPD on a {m['params'] / 1e6:.1f}M-parameter student",
@@ -236,7 +250,7 @@ def report(results: dict[str, Any]) -> str:
     ]
     rows = []
     by_lr: dict[float, dict[str, Any]] = {}
-    for r in results["runs"]:
+    for r in runs_of(results):
         s = r["summary"]
         plain = by_lr.setdefault(r["lr"], {}).get("opd")
         if not r["extrapolate"]:
@@ -260,7 +274,7 @@ def report(results: dict[str, Any]) -> str:
               "Cosine between successive secants `W_2^n − W_2^(n−1)` (the direction EffOPD "
               "extrapolates) in the plain runs; 1 is a straight line.", ""]
     prow = []
-    for r in results["runs"]:
+    for r in runs_of(results):
         if r["extrapolate"]:
             continue
         cs = " ".join(f"{x['step']}:{x['cos_with_previous_secant']:.2f}" for x in r["path"]["secants"])
@@ -272,7 +286,8 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, Any], path: Path) -> None:
+def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    path = Path(a.out) / f"{a.stem}.png"
     try:
         import matplotlib
 
@@ -280,10 +295,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    lrs = sorted({r["lr"] for r in results["runs"]})
+    if not runs_of(results):
+        return
+    lrs = sorted({r["lr"] for r in runs_of(results)})
     fig, axes = plt.subplots(2, len(lrs), figsize=(4.5 * len(lrs), 6.5), squeeze=False)
     for col, lr in enumerate(lrs):
-        for r in (r for r in results["runs"] if r["lr"] == lr):
+        for r in (r for r in runs_of(results) if r["lr"] == lr):
             ax_acc, ax_kl = axes[0][col], axes[1][col]
             line, = ax_acc.plot(*zip(*r["evals"], strict=True), marker=".", label=r["name"])
             ax_kl.plot(*zip(*r["reverse_kl"], strict=True), color=line.get_color(), label=r["name"])
@@ -301,70 +318,74 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- the study
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    start = time.perf_counter()
-    out = Path(a.out)
-    if a.report_only:
-        old = previous_results(out, a.stem)
-        if old is None:
-            raise SystemExit(f"scale: --report-only: no {a.stem}.json in {out}")
-        write_results(str(out), a.stem, old, report(old))
-        plot(old, out / f"{a.stem}.png")
-        return 0
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path("/tmp") / "lookahead-opd-scale"
+def plan(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per lr: plain OPD, EffOPD, and at the first lr the paper's EffOPD."""
+    lrs, out = lr_list(a.lrs), []
+    for lr in lrs:
+        out.append(dict(name=f"opd lr={lr:g}", lr=lr, extrapolate=False))
+        out.append(dict(name=f"effopd neg_kl lr={lr:g}", lr=lr, extrapolate=True))
+        if a.paper_variant and lr == lrs[0]:
+            out.append(dict(name=f"effopd paper lr={lr:g}", lr=lr, extrapolate=True,
+                            gate="accuracy", gate_size=50, coefficients="linear"))
+    return out
+
+
+def prepare(a: argparse.Namespace, store: harness.Store) -> dict[str, Any]:
+    """The models (built within their time limits), and the targets: the accuracy from the
+    teacher, the KL from the first plain run's initial one."""
+    ctx = {"start": time.perf_counter(), "longest": 0.0}
 
     def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - start:6.0f}s] {msg}", flush=True)
+        print(f"[{time.perf_counter() - ctx['start']:6.0f}s] {msg}", flush=True)
 
     if a.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    device = torch.device(a.device)
-    task, tokenizer, student, teacher, models = build_models(a, log)
-    lrs = lr_list(a.lrs)
-    plan: list[dict[str, Any]] = []
-    for lr in lrs:
-        plan.append(dict(name=f"opd lr={lr:g}", lr=lr, extrapolate=False))
-        plan.append(dict(name=f"effopd neg_kl lr={lr:g}", lr=lr, extrapolate=True))
-        if a.paper_variant and lr == lrs[0]:
-            plan.append(dict(name=f"effopd paper lr={lr:g}", lr=lr, extrapolate=True,
-                             gate="accuracy", gate_size=50, coefficients="linear"))
-    results: dict[str, Any] = {
-        "config": vars(a), "machine": machine_info(device), "models": models, "runs": [],
-        "skipped": [],
-    }
-    # The targets come from the teacher and the first plain run's initial KL.
-    results["target_accuracy"] = 0.9 * models["teacher_accuracy"]
-    results["target_kl"] = math.nan
-    longest = 0.0
-    for item in plan:
-        remaining = a.time_budget - (time.perf_counter() - start)
-        if remaining < 1.2 * longest:
-            results["skipped"].append(item["name"])
-            log(f"skip {item['name']}: {remaining:.0f}s left, a run took up to {longest:.0f}s")
-            continue
-        log(f"run {item['name']}")
-        run = run_opd(a, task, tokenizer, student, teacher, out_dir=work, **item)
-        longest = max(longest, run["wall_seconds"])
-        if math.isnan(results["target_kl"]) and run["reverse_kl"]:
-            results["target_kl"] = 0.5 * run["reverse_kl"][0][1]
-        results["runs"].append(run)
-        for r in results["runs"]:
-            r["summary"] = summarize(r, results["target_accuracy"], results["target_kl"])
-        s = run["summary"]
-        log(f"  {run['wall_seconds']:.0f}s, final acc {s['final_accuracy']:.1%}, final KL "
-            f"{s['final_reverse_kl']:.4f}, ½-KL at step {s['steps_to_half_kl']}, accepted {s['accepted']}")
-        results["elapsed_seconds"] = time.perf_counter() - start
-        write_results(str(out), a.stem, results, report(results))
-        plot(results, out / f"{a.stem}.png")
-    print(report(results))
-    return 0
+    ctx["task"], ctx["tokenizer"], ctx["student"], ctx["teacher"], models = build_models(a, log)
+    store.data.update(models=models, skipped=[], target_kl=math.nan,
+                      target_accuracy=0.9 * models["teacher_accuracy"])
+    return ctx
 
+
+def jobs(a: argparse.Namespace, store: harness.Store, ctx: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The plan's runs not done; none once the time left would not fit the longest run so far
+    (those left are recorded as skipped)."""
+    todo = [(item["name"], item) for item in plan(a) if item["name"] not in store.runs]
+    remaining = a.budget_s - (time.perf_counter() - ctx["start"])
+    if todo and remaining < 1.2 * ctx["longest"]:
+        store.data["skipped"] = [name for name, _ in todo]
+        print(f"skip {', '.join(store.data['skipped'])}: {remaining:.0f}s left, a run took up "
+              f"to {ctx['longest']:.0f}s", flush=True)
+        return []
+    return todo
+
+
+def run(a: argparse.Namespace, ctx: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+    r = run_opd(a, ctx["task"], ctx["tokenizer"], ctx["student"], ctx["teacher"], **item)
+    ctx["longest"] = max(ctx["longest"], r["wall_seconds"])
+    return r
+
+
+def measure(a: argparse.Namespace, store: harness.Store, ctx: dict[str, Any]) -> None:
+    store.data["elapsed_seconds"] = time.perf_counter() - ctx["start"]
+
+
+def summarize_all(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    first = next((r for r in runs_of(results) if r["reverse_kl"]), None)
+    if math.isnan(results["target_kl"]) and first is not None:
+        results["target_kl"] = 0.5 * first["reverse_kl"][0][1]
+    summarize_runs(a, results)
+
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, uses=("threads", "budget"),
+    devices=("cuda", "cpu") if torch.cuda.is_available() else ("cpu", "cuda"), smoke=SMOKE,
+    configure=configure, prepare=prepare, jobs=jobs, run=run, measure=measure,
+    summarize=summarize_all, plot=plot)
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

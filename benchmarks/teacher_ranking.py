@@ -22,10 +22,10 @@ diagnostic run, is in ``docs/diagnostic.md`` → "The ranking protocol"):
    ρ(diagnostic) − ρ(teacher accuracy); the diagnostic's cost as a fraction of the OPD runs.
 
     python -m benchmarks.teacher_ranking            # the committed results (~40 min, one thread)
-    python -m benchmarks.teacher_ranking --quick    # smoke test (~1 min), results not committed
+    python -m benchmarks.teacher_ranking --smoke    # smoke test (~1 min), results not committed
 
-Writes ``benchmarks/results/teacher_ranking.{json,md}`` (``teacher_ranking_quick.*`` with
-``--quick``). Teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``opd/zoo.py``).
+Writes ``benchmarks/results/teacher_ranking.{json,md,png}`` (``teacher_ranking-smoke.*`` with
+``--smoke``). Teachers are cached under ``$LOOKAHEAD_OPD_CACHE`` (see ``demo/zoo.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ import json
 import math
 import os
 import shutil
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,7 @@ import numpy as np
 import torch
 
 from benchmarks import harness
-from benchmarks.common import machine_info, markdown_table, previous_results, write_results
+from benchmarks.common import markdown_table
 
 FULL = dict(
     # teachers
@@ -139,8 +137,8 @@ def _padded_task():
 
 def _zoo_pairs(c: dict[str, Any], root: Path, seed: int) -> dict[str, Any]:
     """The zoo pairs the teachers come from: ``build_pair`` (same-base and independent);
-    with ``--quick`` a few-step stand-in of each, so the smoke test builds in seconds."""
-    from lookahead_opd.integrations.opd.zoo import ZooPair, build_pair, make_model, pretrain
+    with ``--smoke`` a few-step stand-in of each, so the smoke test builds in seconds."""
+    from lookahead_opd.demo.zoo import ZooPair, build_pair, make_model, pretrain
 
     if c["quick_build"] is None:
         return {"same-base": build_pair(seed=seed, progress=False),
@@ -165,6 +163,55 @@ def _zoo_pairs(c: dict[str, Any], root: Path, seed: int) -> dict[str, Any]:
     return out
 
 
+def _path_teachers(c: dict[str, Any], root: Path, tok: Any, student_path: Path, seed: int
+                   ) -> dict[str, Path]:
+    """path-N: the zoo teacher's own SFT run (same start, same data seed) stopped at N steps."""
+    from lookahead_opd.demo.zoo import pretrain
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+
+    every = math.gcd(*c["path_steps"])
+    model, step = _load(student_path).train(), [0]
+
+    def keep(m: torch.nn.Module) -> bool:
+        step[0] += every
+        if step[0] in c["path_steps"]:
+            _save(m, tok, root / f"path-{step[0]}")
+        return step[0] >= max(c["path_steps"])
+
+    pretrain(model, tok, ArithmeticTask(), steps=max(c["path_steps"]), seed=seed + 1,
+             eval_every=every, stop=keep, progress=False)
+    return {f"path-{n}": root / f"path-{n}" for n in c["path_steps"]}
+
+
+def _other_teachers(c: dict[str, Any], root: Path, tok: Any, student_path: Path, teacher: Path,
+                    seed: int, built: dict[str, Any]) -> dict[str, Path]:
+    """sharp, zeropad and minus (``built`` gets zeropad's steps)."""
+    from lookahead_opd.demo.zoo import pretrain
+    from lookahead_opd.integrations.opd.scoring import model_accuracy as greedy_accuracy
+    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
+
+    task = ArithmeticTask()
+    probe = task.problems("test", 200, seed=seed)
+    # sharp: the same teacher, logits × sharpen (Qwen2's lm_head has no bias)
+    sharp = _load(teacher)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(c["sharpen"])
+    _save(sharp, tok, root / "sharp")
+    # zeropad: the student trained on another answer format until the checker says >= 95%
+    model = _load(student_path).train()
+    built["zeropad_steps"] = pretrain(
+        model, tok, _padded_task(), steps=c["zeropad_max_steps"], seed=seed + 2,
+        eval_every=100 if c["quick_build"] is None else 2, progress=False,
+        stop=lambda m: greedy_accuracy(m, tok, task, probe) >= c["teacher_min"])
+    _save(model, tok, root / "zeropad")
+    # minus: the student trained on subtraction instead
+    model = _load(student_path).train()
+    pretrain(model, tok, ArithmeticTask(ops="-"), steps=c["minus_steps"], seed=seed + 7,
+             progress=False)
+    _save(model, tok, root / "minus")
+    return {"sharp": root / "sharp", "zeropad": root / "zeropad", "minus": root / "minus"}
+
+
 def build_teachers(c: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """Build (or load from the cache) every model teacher. Returns the student's path,
     name → model path (or ``None`` for ``self:solution`` and ``copy``, which are built around the
@@ -172,8 +219,6 @@ def build_teachers(c: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any], 
     from transformers import AutoTokenizer
 
     from lookahead_opd.integrations.model_sources import cache_root
-    from lookahead_opd.integrations.opd.tasks import ArithmeticTask
-    from lookahead_opd.integrations.opd.zoo import greedy_accuracy, pretrain
 
     key = hashlib.sha256(json.dumps(
         {k: c[k] for k in ("path_steps", "sharpen", "minus_steps", "zeropad_max_steps",
@@ -188,51 +233,13 @@ def build_teachers(c: dict[str, Any], seed: int) -> tuple[Path, dict[str, Any], 
     pairs = _zoo_pairs(c, root, seed)
     student_path = Path(pairs["same-base"].student_path)
     tok = AutoTokenizer.from_pretrained(student_path)
-    task = ArithmeticTask()
-    probe = task.problems("test", 200, seed=seed)
     built: dict[str, Any] = {"zoo": {k: {"student": str(p.student_path),
                                          "teacher": str(p.teacher_path),
                                          "accuracies": p.accuracies} for k, p in pairs.items()}}
     paths: dict[str, Path | None] = {"teacher": Path(pairs["same-base"].teacher_path)}
-
-    # path-N: the zoo teacher's own SFT run (same start, same data seed) stopped at N steps
-    every = math.gcd(*c["path_steps"])
-    model, step = _load(student_path).train(), [0]
-
-    def keep(m: torch.nn.Module) -> bool:
-        step[0] += every
-        if step[0] in c["path_steps"]:
-            _save(m, tok, root / f"path-{step[0]}")
-        return step[0] >= max(c["path_steps"])
-
-    pretrain(model, tok, task, steps=max(c["path_steps"]), seed=seed + 1, eval_every=every,
-             stop=keep, progress=False)
-    for n in c["path_steps"]:
-        paths[f"path-{n}"] = root / f"path-{n}"
+    paths.update(_path_teachers(c, root, tok, student_path, seed))
     paths["independent"] = Path(pairs["independent"].teacher_path)
-
-    # sharp: the same teacher, logits × sharpen (Qwen2's lm_head has no bias)
-    sharp = _load(paths["teacher"])
-    with torch.no_grad():
-        sharp.lm_head.weight.mul_(c["sharpen"])
-    _save(sharp, tok, root / "sharp")
-    paths["sharp"] = root / "sharp"
-
-    # zeropad: the student trained on another answer format until the checker says >= 95%
-    model = _load(student_path).train()
-    zp_steps = pretrain(model, tok, _padded_task(), steps=c["zeropad_max_steps"], seed=seed + 2,
-                        eval_every=100 if c["quick_build"] is None else 2, progress=False,
-                        stop=lambda m: greedy_accuracy(m, tok, task, probe) >= c["teacher_min"])
-    _save(model, tok, root / "zeropad")
-    paths["zeropad"] = root / "zeropad"
-    built["zeropad_steps"] = zp_steps
-
-    # minus: the student trained on subtraction instead
-    model = _load(student_path).train()
-    pretrain(model, tok, ArithmeticTask(ops="-"), steps=c["minus_steps"], seed=seed + 7,
-             progress=False)
-    _save(model, tok, root / "minus")
-    paths["minus"] = root / "minus"
+    paths.update(_other_teachers(c, root, tok, student_path, paths["teacher"], seed, built))
     paths["self:solution"] = paths["copy"] = None
     meta = {"student": str(student_path), "paths": {k: v and str(v) for k, v in paths.items()},
             **built}
@@ -290,118 +297,124 @@ def _diagnostic_scores(report: Any, names: list[str]) -> dict[str, list[float | 
     return out
 
 
-def run(quick: bool, out_dir: str, seed: int, stop_after: int | None = None) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+class Teachers:
+    """The student's path, the teachers' paths, and each teacher as a model (``self:solution``
+    and ``copy`` built around a student)."""
 
-    from lookahead_opd.integrations.opd.engines import HFEngine
-    from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
-    from lookahead_opd.integrations.opd.trainer import OPDTrainer
-    from lookahead_opd.integrations.teacher_selection import ContextTeacher, diagnose
+    def __init__(self, c: dict[str, Any], seed: int) -> None:
+        from transformers import AutoTokenizer
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    c = QUICK if quick else FULL
-    stem = "teacher_ranking_quick" if quick else "teacher_ranking"
-    json_path = Path(out_dir) / f"{stem}.json"
-    protocol = _protocol(c, seed)
-    data: dict[str, Any] = {}
-    if json_path.is_file():
-        old = json.loads(json_path.read_text())
-        if old.get("protocol") == protocol:
-            data = old  # resume: keep every measurement already made under this protocol
-    task = ArithmeticTask()
+        from lookahead_opd.integrations.opd.tasks import SPLITS, ArithmeticTask
 
-    t0 = time.perf_counter()
-    student_path, paths, built = build_teachers(c, seed)
-    tok = AutoTokenizer.from_pretrained(student_path)
-    all_problems = [p for s in SPLITS for p in task.all_problems(s)]
-    names = list(paths)
+        self.student_path, self.paths, self.built = build_teachers(c, seed)
+        self.tok = AutoTokenizer.from_pretrained(self.student_path)
+        self.task = ArithmeticTask()
+        self.problems = [p for s in SPLITS for p in self.task.all_problems(s)]
+        self.names = list(self.paths)
 
-    def make_teacher(name: str, student: torch.nn.Module) -> torch.nn.Module:
-        if paths[name] is not None:
-            return _load(paths[name])
+    def student(self) -> torch.nn.Module:
+        return _load(self.student_path)
+
+    def teacher(self, name: str, student: torch.nn.Module) -> torch.nn.Module:
+        from lookahead_opd.diagnostic import ContextTeacher
+
+        if self.paths[name] is not None:
+            return _load(self.paths[name])
         frozen = copy.deepcopy(student).eval()  # OPDTrainer freezes its teacher
         if name == "copy":
             return frozen
-        return ContextTeacher.for_task(frozen, tok, task, all_problems, "solution")
+        return ContextTeacher.for_task(frozen, self.tok, self.task, self.problems, "solution")
 
-    def save() -> None:
-        clean = json.loads(json.dumps(data, default=float))
-        write_results(out_dir, stem, clean, _markdown(clean))
-        if clean.get("analysis"):
-            _plot(clean, Path(out_dir) / PLOT)
 
-    if not data:
-        probe = task.problems("test", c["eval_size"], seed=seed + 1)
-        student = _load(student_path)
-        data = {
-            "quick": quick, "protocol": protocol, "config": c, "seed": seed,
-            "machine": machine_info(torch.device("cpu")), "teachers": names,
-            "built": built, "build_seconds": time.perf_counter() - t0,
-            "student_accuracy": _greedy_accuracy(student, tok, task, probe, task.max_new_tokens),
-            ACCURACY: {n: _greedy_accuracy(make_teacher(n, student), tok, task, probe,
-                                           task.max_new_tokens) for n in names},
-            "diagnostic": {}, "runs": []}
-        print("student accuracy:", data["student_accuracy"], "teacher accuracy:",
-              {k: round(v, 3) for k, v in data[ACCURACY].items()}, flush=True)
-        save()
+def setup(a: argparse.Namespace, store: Any, t: Teachers, protocol: str) -> None:
+    """What every run is measured against, once: the student's and every teacher's accuracy."""
+    c, data = a.protocol_config, store.data
+    probe = t.task.problems("test", c["eval_size"], seed=a.seed + 1)
+    student = t.student()
+    data.update({
+        "quick": a.smoke, "protocol": protocol, "config": c, "seed": a.seed,
+        "teachers": t.names, "built": t.built, "build_seconds": time.perf_counter() - a.start,
+        "student_accuracy": _greedy_accuracy(student, t.tok, t.task, probe, t.task.max_new_tokens),
+        ACCURACY: {n: _greedy_accuracy(t.teacher(n, student), t.tok, t.task, probe,
+                                       t.task.max_new_tokens) for n in t.names}})
+    print("student accuracy:", data["student_accuracy"], "teacher accuracy:",
+          {k: round(v, 3) for k, v in data[ACCURACY].items()}, flush=True)
 
-    # 1. the diagnostic, once per diagnostic seed, over every teacher
-    for ds in c["diagnostic_seeds"]:
-        if str(ds) in data["diagnostic"]:
-            continue
-        student = _load(student_path)
-        teachers = {n: make_teacher(n, student) for n in names}
-        t1 = time.perf_counter()
-        report = diagnose(student, teachers, task, tokenizer=tok, budget=c["budget"],
-                          questions=c["questions"],
-                          samples_per_question=c["samples_per_question"], top_k=c["top_k"],
-                          continuations=c["continuations"], seed=seed + ds, split="train",
-                          loss=c["loss"], progress=False)
-        seconds = time.perf_counter() - t1
-        print(report.table(), flush=True)
-        data["diagnostic"][str(ds)] = {
-            "seconds": seconds, "stages": report.seconds, "counts": report.counts,
-            "rollouts_used": report.rollouts_used, "scores": _diagnostic_scores(report, names),
+
+def diagnostic(a: argparse.Namespace, t: Teachers, ds: int) -> dict[str, Any]:
+    """The diagnostic over every teacher, with diagnostic seed ``ds``."""
+    from lookahead_opd.diagnostic import diagnose
+
+    c, student = a.protocol_config, t.student()
+    teachers = {n: t.teacher(n, student) for n in t.names}
+    t1 = time.perf_counter()
+    report = diagnose(student, teachers, t.task, tokenizer=t.tok, budget=c["budget"],
+                      questions=c["questions"], samples_per_question=c["samples_per_question"],
+                      top_k=c["top_k"], continuations=c["continuations"], seed=a.seed + ds,
+                      split="train", loss=c["loss"], progress=False)
+    seconds = time.perf_counter() - t1
+    print(report.table(), flush=True)
+    return {"seconds": seconds, "stages": report.seconds, "counts": report.counts,
+            "rollouts_used": report.rollouts_used, "scores": _diagnostic_scores(report, t.names),
             "alignment_ci": {n: [report.summary[n]["alignment"]["ci_lo"],
-                                 report.summary[n]["alignment"]["ci_hi"]] for n in names}}
-        save()
+                                 report.summary[n]["alignment"]["ci_hi"]] for n in t.names}}
 
-    # 2. OPD runs, seed-major: every teacher gets seed 0 before any gets seed 1
-    done = {(r["teacher"], r["seed"]) for r in data["runs"]}
-    todo = [(s, n) for s in c["opd_seeds"] for n in names if (n, seed + s) not in done]
-    if stop_after is not None:
-        todo = todo[:stop_after]
-    scratch = tempfile.mkdtemp(prefix="teacher-ranking-")  # OPD checkpoints: not kept
-    for s, name in tqdm(todo, desc="OPD runs", disable=quick, dynamic_ncols=True):
-        student = _load(student_path)
-        teacher = make_teacher(name, student)
-        cfg = harness.opd_config(
-            "teacher_ranking", name, output_dir=str(Path(scratch) / f"{name.replace(':', '_')}-{s}"),
-            loss=c["loss"], batch_size=c["batch_size"], max_steps=c["opd_steps"],
-            learning_rate=c["learning_rate"], warmup_steps=c["warmup_steps"], eval_every=0,
-            eval_size=c["eval_size"], seed=seed + s)
-        trainer = OPDTrainer(cfg, student, teacher, task,
-                             HFEngine(student, tok, batch_size=256), tokenizer=tok)
-        t2 = time.perf_counter()
-        result = trainer.train()
-        wall = time.perf_counter() - t2
-        before, after = result.evals[0][1], result.evals[-1][1]
-        data["runs"].append({"teacher": name, "seed": seed + s, "accuracy_before": before,
-                             "accuracy_after": after, "gain": after - before,
-                             "train_seconds": trainer.train_seconds, "wall_seconds": wall})
-        print(f"OPD with {name} (seed {seed + s}): {before:.3f} -> {after:.3f} in {wall:.1f}s",
-              flush=True)
-        save()
-    shutil.rmtree(scratch, ignore_errors=True)
 
-    # 3. the analysis, from everything measured so far
-    data["analysis"] = analyse(data)
-    save()
-    print((Path(out_dir) / f"{stem}.md").read_text())
-    return data
+def prepare(a: argparse.Namespace, store: Any) -> Teachers:
+    """The teachers (built or cached), the accuracies, then the diagnostic once per diagnostic
+    seed; an earlier json's measurements are kept when made under this protocol."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    a.start, a.protocol_config = time.perf_counter(), QUICK if a.smoke else FULL
+    protocol = _protocol(a.protocol_config, a.seed)
+    if store.old is not None and store.old.get("protocol") != protocol:
+        raise SystemExit(f"{a.stem}: the json's measurements were made under another protocol; "
+                         "write elsewhere with --out, or start over with --fresh")
+    for key in ("quick", "protocol", "seed", "teachers", "built", "build_seconds",
+                "student_accuracy", ACCURACY):
+        if store.old is not None:
+            store.data[key] = store.old[key]
+    store.data["config"] = a.protocol_config
+    t = Teachers(a.protocol_config, a.seed)
+    if store.old is None:
+        setup(a, store, t, protocol)
+        STUDY.save(a, store)
+    for ds in a.protocol_config["diagnostic_seeds"]:
+        if str(ds) not in store.data["diagnostic"]:
+            store.data["diagnostic"][str(ds)] = diagnostic(a, t, ds)
+            STUDY.save(a, store)
+    return t
+
+
+def jobs(a: argparse.Namespace, store: Any, t: Teachers) -> list[tuple[str, Any]]:
+    """OPD runs, seed-major: every teacher gets seed 0 before any gets seed 1."""
+    return [(f"{n}|{a.seed + s}", (n, a.seed + s)) for s in a.protocol_config["opd_seeds"]
+            for n in t.names]
+
+
+def run(a: argparse.Namespace, t: Teachers, job: tuple[str, int]) -> dict[str, Any]:
+    """One fixed-length OPD run with teacher ``name`` from the student: its gain."""
+    from lookahead_opd.integrations.opd.engines import HFEngine
+    from lookahead_opd.integrations.opd.trainer import OPDTrainer
+
+    name, seed = job
+    c, student = a.protocol_config, t.student()
+    cfg = harness.opd_config(
+        "teacher_ranking", f"{name.replace(':', '_')}-{seed}", loss=c["loss"],
+        batch_size=c["batch_size"], max_steps=c["opd_steps"], learning_rate=c["learning_rate"],
+        warmup_steps=c["warmup_steps"], eval_every=0, eval_size=c["eval_size"], seed=seed,
+        device=a.device)
+    trainer = OPDTrainer(cfg, student, t.teacher(name, student), t.task,
+                         HFEngine(student, t.tok, batch_size=256), tokenizer=t.tok)
+    t2 = time.perf_counter()
+    result = trainer.train()
+    wall = time.perf_counter() - t2
+    before, after = result.evals[0][1], result.evals[-1][1]
+    return {"teacher": name, "seed": seed, "accuracy_before": before,
+            "accuracy_after": after, "gain": after - before,
+            "train_seconds": trainer.train_seconds, "wall_seconds": wall}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,47 +446,22 @@ def _rho(scores: np.ndarray, gains: np.ndarray) -> float:
     return np.nan if r is None else r
 
 
-def analyse(data: dict[str, Any]) -> dict[str, Any]:
-    """Gains per teacher (mean ± s.e.m. over seeds), Spearman ρ of every score with a bootstrap
-    95% interval, the regret of each score's top pick, and the paired bootstrap of
-    ρ(diagnostic) − ρ(accuracy). The bootstrap resamples teachers (with replacement) and, within
-    each drawn teacher, its OPD seeds and the diagnostic seeds."""
-    names, table = _score_table(data)
-    if not data["runs"] or not data["diagnostic"]:
-        return {}
-    per: dict[str, list[float]] = {n: [] for n in names}
-    for r in data["runs"]:
-        per[r["teacher"]].append(r["gain"])
-    have = [i for i, n in enumerate(names) if per[n]]
-    if len(have) < 3:
-        return {}
-    names_h = [names[i] for i in have]
-    gains = {n: np.array(per[n]) for n in names_h}
-    mean_gain = np.array([gains[n].mean() for n in names_h])
-    out: dict[str, Any] = {
-        "teachers": names_h,
-        "gain": {n: {"mean": float(gains[n].mean()), "seeds": len(gains[n]),
-                     "sem": float(gains[n].std(ddof=1) / math.sqrt(len(gains[n])))
-                     if len(gains[n]) > 1 else None} for n in names_h}}
-    point = {s: _nanmean_rows(table[s][:, have]) for s in table}
-    best = names_h[int(np.argmax(mean_gain))]
-    out["best_teacher"] = best
-    scores_out: dict[str, Any] = {}
-    for s, v in list(point.items()):
-        ok = ~np.isnan(v)
-        if not ok.any():  # e.g. alignment on correct rollouts when none was correct
-            del point[s], table[s]
-            continue
-        hi = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmax(v)))]
-        lo = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmin(v)))]
-        scores_out[s] = {
-            "values": {n: (None if np.isnan(x) else float(x)) for n, x in zip(names_h, v,
-                                                                             strict=True)},
-            "rho": None if np.isnan(_rho(v, mean_gain)) else _rho(v, mean_gain),
-            "top": hi, "top_regret": top_regret(list(v[ok]), list(mean_gain[ok])),
-            "bottom": lo, "bottom_regret": top_regret(list(-v[ok]), list(mean_gain[ok]))}
+def runs_of(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The OPD runs in the order they ran (a json before the harness's store kept a list)."""
+    runs = data["runs"]
+    return list(runs.values()) if isinstance(runs, dict) else runs
 
-    # bootstrap: teachers with replacement; within each, its OPD seeds and diagnostic seeds
+
+def _interval(x: np.ndarray) -> list[float] | None:
+    """The 95% percentile interval of the resamples that are defined (None: under 10)."""
+    x = x[~np.isnan(x)]
+    return None if len(x) < 10 else [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]
+
+
+def _bootstrap(data: dict[str, Any], table: dict[str, np.ndarray], have: list[int],
+               gains: dict[str, np.ndarray], names_h: list[str]) -> tuple[dict, dict]:
+    """ρ and the top pick's regret of every score on resamples of the teachers (with
+    replacement) and, within each drawn teacher, of its OPD seeds and the diagnostic seeds."""
     rng = np.random.default_rng(data["seed"])
     B = data["config"]["resamples"]
     rhos = {s: np.full(B, np.nan) for s in table}
@@ -490,41 +478,93 @@ def analyse(data: dict[str, Any]) -> dict[str, Any]:
             ok = ~np.isnan(v)
             if ok.any():
                 regrets[s][b] = top_regret(list(v[ok]), list(g[ok]))
+    return rhos, regrets
 
-    def ci(x: np.ndarray) -> list[float] | None:
-        x = x[~np.isnan(x)]
-        return None if len(x) < 10 else [float(np.percentile(x, 2.5)),
-                                         float(np.percentile(x, 97.5))]
 
-    for s in table:
-        scores_out[s]["rho_ci"] = ci(rhos[s])
-        scores_out[s]["top_regret_ci"] = ci(regrets[s])
-    out["scores"] = scores_out
+def _paired(scores_out: dict[str, Any], rhos: dict[str, np.ndarray]) -> dict[str, Any]:
+    """ρ(diagnostic score) − ρ(accuracy) on the same resamples."""
     paired = {}
     for s in DIAGNOSTIC:
         if s not in rhos:
             continue
         d = rhos[s] - rhos[ACCURACY]
         both = ~np.isnan(d)
-        interval = ci(d)
+        interval = _interval(d)
         rho_d, rho_a = scores_out[s]["rho"], scores_out[ACCURACY]["rho"]
         paired[s] = {"difference": None if rho_d is None or rho_a is None else rho_d - rho_a,
                      "ci": interval, "resamples_used": int(both.sum()),
                      "p_le_0": float((d[both] <= 0).mean()) if both.any() else None,
                      "beats": bool(interval is not None and interval[0] > 0),
                      "loses": bool(interval is not None and interval[1] < 0)}
-    out["paired"] = paired
+    return paired
 
-    # cost: one diagnostic run against the OPD runs it replaces (one per teacher, one seed)
+
+def _cost(data: dict[str, Any], names_h: list[str]) -> dict[str, float]:
+    """One diagnostic run against the OPD runs it replaces (one per teacher, one seed)."""
     diag_s = float(np.mean([d["seconds"] for d in data["diagnostic"].values()]))
-    train = {n: np.mean([r["train_seconds"] for r in data["runs"] if r["teacher"] == n])
+    train = {n: np.mean([r["train_seconds"] for r in runs_of(data) if r["teacher"] == n])
              for n in names_h}
-    wall = {n: np.mean([r["wall_seconds"] for r in data["runs"] if r["teacher"] == n])
+    wall = {n: np.mean([r["wall_seconds"] for r in runs_of(data) if r["teacher"] == n])
             for n in names_h}
-    out["cost"] = {"diagnostic_seconds": diag_s, "opd_train_seconds": float(sum(train.values())),
-                   "opd_wall_seconds": float(sum(wall.values())),
-                   "fraction_of_train": diag_s / float(sum(train.values())),
-                   "fraction_of_wall": diag_s / float(sum(wall.values()))}
+    return {"diagnostic_seconds": diag_s, "opd_train_seconds": float(sum(train.values())),
+            "opd_wall_seconds": float(sum(wall.values())),
+            "fraction_of_train": diag_s / float(sum(train.values())),
+            "fraction_of_wall": diag_s / float(sum(wall.values()))}
+
+
+def _score_stats(point: dict[str, np.ndarray], table: dict[str, np.ndarray],
+                 names_h: list[str], mean_gain: np.ndarray) -> dict[str, Any]:
+    """Per score: its values, ρ with the mean gain, and the top and bottom picks' regrets (a
+    score undefined for every teacher is dropped from ``point`` and ``table``)."""
+    scores_out: dict[str, Any] = {}
+    for s, v in list(point.items()):
+        ok = ~np.isnan(v)
+        if not ok.any():  # e.g. alignment on correct rollouts when none was correct
+            del point[s], table[s]
+            continue
+        hi = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmax(v)))]
+        lo = [names_h[i] for i in np.flatnonzero(ok & (v == np.nanmin(v)))]
+        scores_out[s] = {
+            "values": {n: (None if np.isnan(x) else float(x)) for n, x in zip(names_h, v,
+                                                                             strict=True)},
+            "rho": None if np.isnan(_rho(v, mean_gain)) else _rho(v, mean_gain),
+            "top": hi, "top_regret": top_regret(list(v[ok]), list(mean_gain[ok])),
+            "bottom": lo, "bottom_regret": top_regret(list(-v[ok]), list(mean_gain[ok]))}
+    return scores_out
+
+
+def analyse(data: dict[str, Any]) -> dict[str, Any]:
+    """Gains per teacher (mean ± s.e.m. over seeds), Spearman ρ of every score with a bootstrap
+    95% interval, the regret of each score's top pick, and the paired bootstrap of
+    ρ(diagnostic) − ρ(accuracy). The bootstrap resamples teachers (with replacement) and, within
+    each drawn teacher, its OPD seeds and the diagnostic seeds."""
+    names, table = _score_table(data)
+    if not runs_of(data) or not data["diagnostic"]:
+        return {}
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in runs_of(data):
+        per[r["teacher"]].append(r["gain"])
+    have = [i for i, n in enumerate(names) if per[n]]
+    if len(have) < 3:
+        return {}
+    names_h = [names[i] for i in have]
+    gains = {n: np.array(per[n]) for n in names_h}
+    mean_gain = np.array([gains[n].mean() for n in names_h])
+    out: dict[str, Any] = {
+        "teachers": names_h,
+        "gain": {n: {"mean": float(gains[n].mean()), "seeds": len(gains[n]),
+                     "sem": float(gains[n].std(ddof=1) / math.sqrt(len(gains[n])))
+                     if len(gains[n]) > 1 else None} for n in names_h}}
+    point = {s: _nanmean_rows(table[s][:, have]) for s in table}
+    out["best_teacher"] = names_h[int(np.argmax(mean_gain))]
+    scores_out = _score_stats(point, table, names_h, mean_gain)
+    rhos, regrets = _bootstrap(data, table, have, gains, names_h)
+    for s in table:
+        scores_out[s]["rho_ci"] = _interval(rhos[s])
+        scores_out[s]["top_regret_ci"] = _interval(regrets[s])
+    out["scores"] = scores_out
+    out["paired"] = _paired(scores_out, rhos)
+    out["cost"] = _cost(data, names_h)
     out["verdict"] = _verdict(out)
     return out
 
@@ -577,10 +617,66 @@ def _about(name: str, c: dict[str, Any]) -> str:
     return ABOUT[name].format(**c)
 
 
-def _markdown(d: dict[str, Any]) -> str:
+def _teacher_table(d: dict[str, Any]) -> list[str]:
+    c, a = d["config"], d.get("analysis") or {}
+    g, sc, rows = a.get("gain", {}), a.get("scores", {}), []
+    for n in d["teachers"]:
+        gi = g.get(n)
+        gain = "—" if gi is None else _fmt(gi["mean"]) + (
+            "" if gi["sem"] is None else f" ± {gi['sem']:.3f}") + f" (n={gi['seeds']})"
+        rows.append([f"`{n}`", _about(n, c), f"{d[ACCURACY][n]:.3f}", gain]
+                    + [_fmt(sc[s]["values"].get(n)) if s in sc else "—"
+                       for s in ("alignment", "advantage", "reverse_kl", "teacher_mass_topk")])
+    return ["## Teachers and realised gains", "",
+            markdown_table(["teacher", "what it is", "teacher acc", "OPD gain (± s.e.m.)",
+                            "alignment", "advantage", "reverse_kl", "teacher_mass_topk"],
+                           rows), ""]
+
+
+def _analysis_lines(d: dict[str, Any], plot: str) -> list[str]:
+    """Which score predicts the gain, the paired comparison, the cost (once analysed)."""
+    c, a = d["config"], d.get("analysis") or {}
+    sc = a.get("scores", {})
+    if not sc:
+        return []
+    co = a["cost"]
+    return [
+        "## Which score predicts the gain?", "",
+        f"Spearman ρ across the {len(a['teachers'])} teachers between each score and the "
+        "mean gain; 95% interval from a bootstrap over teachers (with replacement) and, "
+        "within each, its OPD seeds and diagnostic seeds "
+        f"({c['resamples']} resamples). Regret = best mean gain (`{a['best_teacher']}`) − "
+        "the gain of the top-scored teacher (ties: their mean); proxies have no agreed "
+        "direction, so the lowest-scored pick is shown too.", "",
+        markdown_table(
+            ["score", "ρ vs gain", "95% interval", "top-scored (regret)",
+             "regret 95% interval", "lowest-scored (regret)"],
+            [[s + (" (baseline)" if s == ACCURACY else ""), _fmt(v["rho"], 2),
+              _ci(v["rho_ci"]), f"{', '.join(v['top'])} ({v['top_regret']:.3f})",
+              _ci(v["top_regret_ci"], 3),
+              f"{', '.join(v['bottom'])} ({v['bottom_regret']:.3f})"]
+             for s, v in sc.items()]), "",
+        "## Paired comparison with teacher accuracy", "",
+        "ρ(score) − ρ(teacher accuracy) on the same bootstrap resamples; the diagnostic "
+        "\"beats\" accuracy only if the 95% interval excludes 0.", "",
+        markdown_table(["score", "ρ difference", "95% interval", "share of resamples ≤ 0",
+                        "verdict"],
+                       [[s, _fmt(p["difference"], 2), _ci(p["ci"]),
+                         "—" if p["p_le_0"] is None else f"{p['p_le_0']:.3f}",
+                         "beats" if p["beats"] else "loses" if p["loses"]
+                         else "no difference shown"] for s, p in a["paired"].items()]), "",
+        "## Cost", "",
+        f"One diagnostic run over all {len(d['teachers'])} teachers: "
+        f"{co['diagnostic_seconds']:.1f} s (mean of {len(d['diagnostic'])} runs) = "
+        f"**{co['fraction_of_train']:.3f}** of the training time of the OPD runs it replaces "
+        f"(one per teacher, {co['opd_train_seconds']:.0f} s; {co['fraction_of_wall']:.3f} of "
+        "their wall-clock with evaluation).", "",
+        f"![gain against alignment and against teacher accuracy]({plot})", ""]
+
+
+def report(a_: argparse.Namespace, d: dict[str, Any]) -> str:
     c, m = d["config"], d["machine"]
     a = d.get("analysis") or {}
-    names = d["teachers"]
     lines = ["# Teacher ranking: does the diagnostic know something teacher accuracy does not?"
              + (" (quick)" if d["quick"] else ""), ""]
     if a.get("verdict"):
@@ -597,72 +693,21 @@ def _markdown(d: dict[str, Any]) -> str:
         f"{c['continuations']} continuations each, budget {c['budget']}, run once per "
         f"diagnostic seed {list(c['diagnostic_seeds'])}; scores are the mean over them. "
         f"Teacher accuracy (the baseline): greedy exact match on the same {c['eval_size']} "
-        "problems.", ""]
-    rows = []
-    g = a.get("gain", {})
-    sc = a.get("scores", {})
-    for n in names:
-        gi = g.get(n)
-        gain = "—" if gi is None else _fmt(gi["mean"]) + (
-            "" if gi["sem"] is None else f" ± {gi['sem']:.3f}") + f" (n={gi['seeds']})"
-        rows.append([f"`{n}`", _about(n, c), f"{d[ACCURACY][n]:.3f}", gain]
-                    + [_fmt(sc[s]["values"].get(n)) if s in sc else "—"
-                       for s in ("alignment", "advantage", "reverse_kl", "teacher_mass_topk")])
-    lines += ["## Teachers and realised gains", "",
-              markdown_table(["teacher", "what it is", "teacher acc", "OPD gain (± s.e.m.)",
-                              "alignment", "advantage", "reverse_kl", "teacher_mass_topk"],
-                             rows), ""]
-    if sc:
-        lines += [
-            "## Which score predicts the gain?", "",
-            f"Spearman ρ across the {len(a['teachers'])} teachers between each score and the "
-            "mean gain; 95% interval from a bootstrap over teachers (with replacement) and, "
-            "within each, its OPD seeds and diagnostic seeds "
-            f"({c['resamples']} resamples). Regret = best mean gain (`{a['best_teacher']}`) − "
-            "the gain of the top-scored teacher (ties: their mean); proxies have no agreed "
-            "direction, so the lowest-scored pick is shown too.", "",
-            markdown_table(
-                ["score", "ρ vs gain", "95% interval", "top-scored (regret)",
-                 "regret 95% interval", "lowest-scored (regret)"],
-                [[s + (" (baseline)" if s == ACCURACY else ""), _fmt(v["rho"], 2),
-                  _ci(v["rho_ci"]), f"{', '.join(v['top'])} ({v['top_regret']:.3f})",
-                  _ci(v["top_regret_ci"], 3),
-                  f"{', '.join(v['bottom'])} ({v['bottom_regret']:.3f})"]
-                 for s, v in sc.items()]), "",
-            "## Paired comparison with teacher accuracy", "",
-            "ρ(score) − ρ(teacher accuracy) on the same bootstrap resamples; the diagnostic "
-            "\"beats\" accuracy only if the 95% interval excludes 0.", "",
-            markdown_table(["score", "ρ difference", "95% interval", "share of resamples ≤ 0",
-                            "verdict"],
-                           [[s, _fmt(p["difference"], 2), _ci(p["ci"]),
-                             "—" if p["p_le_0"] is None else f"{p['p_le_0']:.3f}",
-                             "beats" if p["beats"] else "loses" if p["loses"]
-                             else "no difference shown"] for s, p in a["paired"].items()]), ""]
-        co = a["cost"]
-        lines += [
-            "## Cost", "",
-            f"One diagnostic run over all {len(names)} teachers: {co['diagnostic_seconds']:.1f} s "
-            f"(mean of {len(d['diagnostic'])} runs) = **{co['fraction_of_train']:.3f}** of the "
-            f"training time of the OPD runs it replaces (one per teacher, "
-            f"{co['opd_train_seconds']:.0f} s; {co['fraction_of_wall']:.3f} of their wall-clock "
-            "with evaluation).", ""]
-    if sc:
-        lines += [f"![gain against alignment and against teacher accuracy]({PLOT})", ""]
-    runs = d["runs"]
-    lines += [f"{len(runs)} OPD runs recorded; per-run numbers in the JSON. Command: "
-              f"`python -m benchmarks.teacher_ranking{' --quick' if d['quick'] else ''}` "
-              "(rerun it to resume).", "",
-              f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch thread(s), shared "
-              f"with other jobs; torch {m['torch']}; commit {m['git_commit']}."]
+        "problems.", "",
+        *_teacher_table(d), *_analysis_lines(d, f"{a_.stem}.png"),
+        f"{len(runs_of(d))} OPD runs recorded; per-run numbers in the JSON. Command: "
+        f"`python -m benchmarks.teacher_ranking{' --smoke' if d['quick'] else ''}` "
+        "(rerun it to resume).", "",
+        f"Machine: {m.get('cpu_model')}, {m.get('torch_threads')} torch thread(s), shared "
+        f"with other jobs; torch {m['torch']}; commit {m['git_commit']}."]
     return "\n".join(lines)
 
 
-PLOT = "teacher_ranking.png"
-
-
-def _plot(d: dict[str, Any], path: Path) -> None:
+def plot(a_: argparse.Namespace, d: dict[str, Any]) -> None:
     """Mean gain (± s.e.m.) against alignment and against teacher accuracy, one point per
     teacher: where the two panels differ is what the diagnostic adds."""
+    if not d.get("analysis"):
+        return
     try:
         import matplotlib
     except ImportError:
@@ -689,35 +734,16 @@ def _plot(d: dict[str, Any], path: Path) -> None:
     axes[0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
     fig.suptitle("Realised OPD gain per teacher: the diagnostic vs the teacher's own accuracy")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(Path(a_.out) / f"{a_.stem}.png", dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke test: tiny settings")
-    parser.add_argument("--output_dir", default=os.path.join(os.path.dirname(__file__), "results"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: fastest for these tiny models on a shared CPU)")
-    parser.add_argument("--stop_after", type=int, default=None,
-                        help="run at most this many OPD runs now (rerun to resume)")
-    parser.add_argument("--report-only", action="store_true", help="rewrite md/png from the json")
-    args = parser.parse_args(argv)
-    if args.report_only:
-        stem = "teacher_ranking_quick" if args.quick else "teacher_ranking"
-        data = previous_results(args.output_dir, stem)
-        if data is None:
-            raise SystemExit(f"teacher_ranking: --report-only: no {stem}.json in {args.output_dir}")
-        write_results(args.output_dir, stem, data, _markdown(data))
-        if data.get("analysis"):
-            _plot(data, Path(args.output_dir) / PLOT)
-        return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    run(args.quick, args.output_dir, args.seed, args.stop_after)
-    return 0
-
+STUDY = harness.Study(
+    "teacher_ranking", __doc__, report,
+    options=lambda p: p.add_argument("--seed", type=int, default=0),
+    uses=("threads", "budget"), fields=dict(diagnostic=dict), prepare=prepare, jobs=jobs,
+    run=run, summarize=lambda a, data: analyse(data), summary_key="analysis", plot=plot)
+main = STUDY.main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -36,26 +36,20 @@ STEM = "topk"
 KS = (8, 20, 64, 256)  # 20: vLLM's default --max-logprobs
 RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS = (20, 256), (1e-6, 1e-5), (0, 1), 30
 MICRO = 4  # rollouts per forward and backward of the table (memory: the vocabulary is 49k)
-REPORT_OPTIONS = ("kl_size", "ks", "run_ks", "run_lrs", "seeds", "max_steps")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="benchmarks/results")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", default=None, help="the teacher's model folder (real_lm's)")
     p.add_argument("--kl-size", type=int, default=32, help="held-out rollouts of the table")
     p.add_argument("--runs", action="store_true", help="also the OPD runs (part 2)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--fresh", action="store_true", help="ignore the runs of an earlier json")
-    p.add_argument("--report-only", action="store_true", help="rewrite the md from the json")
-    p.add_argument("--smoke", action="store_true", help="a zoo pair, few steps (CI)")
-    a = p.parse_args(argv)
-    a.stem, a.task, a.top_blocks, a.ks = STEM, real_lm.TASK, 0, KS
+
+
+def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    a.task, a.top_blocks, a.ks = real_lm.TASK, 0, KS
     a.run_ks, a.run_lrs, a.seeds, a.max_steps = RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS
     if a.smoke:  # the zoo pair's vocabulary is ~20 tokens: k up to it
-        a.stem, a.task, a.top_blocks, a.kl_size = f"{STEM}-smoke", "arithmetic", 1, 8
+        a.task, a.top_blocks = "arithmetic", 1
         a.ks, a.run_ks, a.run_lrs, a.seeds, a.max_steps = (2, 8), (2,), (1e-3, 4e-3), (0,), 3
-    return a
 
 
 # --------------------------------------------------------------------------- the table
@@ -215,36 +209,31 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     ])
 
 
-def save(a: argparse.Namespace, store: harness.Store) -> None:
-    store.save(report(a, store.data))
+# --------------------------------------------------------------------------- the study
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    torch.set_num_threads(a.threads)
-    store = harness.Store(a.out, a.stem, fresh=a.fresh)
-    store.resume(commands=list, machines=list, table=list)
-    if a.report_only:
-        store.restore_report(a, REPORT_OPTIONS, keys=("teacher",))
-        save(a, store)
-        return 0
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any], Any]:
+    """real_lm's pair and held-out rollouts; the table, once."""
     pair = real_lm.load_pair(a)
     store.data["teacher"] = pair["teacher_name"]
-    store.stamp()
     task = harness.load_task(a.task, pair["tokenizer"])
     kl = harness.HeldOutKL(pair["student"], pair["teacher"], pair["tokenizer"], task,
                            task.problems("test", a.kl_size, seed=real_lm.KL_PROBLEM_SEED),
-                           every=min(5, a.max_steps), max_new_tokens=task.max_new_tokens, seed=real_lm.KL_SEED)
+                           every=min(5, a.max_steps), max_new_tokens=task.max_new_tokens,
+                           seed=real_lm.KL_SEED)
     if not store.data["table"]:
         store.data["table"] = table(a, pair, kl)
-        save(a, store)
-    if a.runs:
-        harness.run_all(store, lambda: jobs(a, store.data),
-                        lambda job: run_one(a, pair, kl, *job), lambda: save(a, store),
-                        desc=f"{a.stem} runs")
-    save(a, store)
-    return 0
+        STUDY.save(a, store)
+    return pair, kl
 
+
+STUDY = harness.Study(
+    STEM, __doc__, report, options=options, uses=("threads", "budget"), configure=configure,
+    report_options=("kl_size", "ks", "run_ks", "run_lrs", "seeds", "max_steps"),
+    fields=dict(table=list), prepare=prepare,
+    jobs=lambda a, store, ctx: jobs(a, store.data) if a.runs else [],
+    run=lambda a, ctx, job: run_one(a, *ctx, *job))
+main = STUDY.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

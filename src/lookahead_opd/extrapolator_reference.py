@@ -2,7 +2,7 @@
 
 Like the ``*_reference.py`` files of schedule_free and prodigy, this is ``Extrapolator``'s
 algorithm with plain tensors: full fp32 copies, whole tensors, no chunking, sharding,
-offloading or sketches, and no care for memory or time. ``tests/test_extrapolator_reference.py``
+offloading or sketches, and no care for memory or time. ``tests/core/test_extrapolator_reference.py``
 holds ``Extrapolator`` to it bit for bit (weights after every step, coefficients tried, scores,
 kept jumps) on random small problems, for every option that changes the weights.
 

@@ -209,6 +209,7 @@ def test_context_teacher_reads_the_context(student, tok):
         teacher(input_ids=torch.tensor([[tok.bos_token_id, 5, 6]]))
 
 
+@pytest.mark.slow
 def test_report_files(student, tok, tmp_path):
     r = _run(student, tok, {"oracle": Tilted(student, tok, 2.0), "self:answer": "self:answer"})
     paths = r.save(tmp_path)

@@ -16,7 +16,9 @@ pytest.importorskip("transformers")
 import _dist_workers as w  # noqa: E402
 import _fsdp_workers as fw  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+# slow: every test here launches two processes, or reads a module fixture that did.
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
 
 DECISION = ("step", "coefficients", "accepted", "n_evals")
 

@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from lookahead_opd.schedule import resolve_coefficients
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+# slow: every test here launches two processes, or reads a module fixture that did.
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
 
 COEFFICIENTS = resolve_coefficients("geometric")
 

@@ -13,7 +13,9 @@ pytest.importorskip("transformers")
 import _dist_workers as w  # noqa: E402
 from _opd_workers import opd_worker  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+# slow: every test here launches two processes, or reads a module fixture that did.
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
 
 
 @pytest.mark.parametrize("extrapolate", [False, True])

@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+# slow: every test here launches two processes, or reads a module fixture that did.
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable"),
+              pytest.mark.slow]
 
 SEARCH_STEPS = [1, 2, 4, 8]
 

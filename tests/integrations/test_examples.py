@@ -42,6 +42,7 @@ def _load(name: str):
     return module
 
 
+@pytest.mark.slow
 def test_raw_loop_script_jumps_and_beats_the_baseline():
     (wrapped,) = _run([sys.executable, "examples/raw_loop.py", "--steps", "16", "--json"])
     (plain,) = _run(
@@ -65,6 +66,7 @@ def test_raw_loop_resume_continues_exactly(tmp_path):
     assert resumed["gate_loss_after"] == full["gate_loss_after"]
 
 
+@pytest.mark.slow
 def test_accelerate_loop_script_one_process(tmp_path):
     save = tmp_path / "state"
     (r,) = _run(
@@ -89,6 +91,7 @@ def test_accelerate_loop_script_one_process(tmp_path):
     assert [h["step"] for h in saved["extrapolator"]["history"]] == POWERS
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_accelerate_loop_script_two_processes_decide_together(tmp_path):
     _run(
@@ -123,6 +126,7 @@ def _doc_blocks() -> list[str]:
     return [b for b in blocks if b.startswith("# complete example")]
 
 
+@pytest.mark.slow
 def test_docs_complete_examples_run(tmp_path):
     blocks = _doc_blocks()
     assert len(blocks) == 3  # raw loop, Trainer, Lightning
@@ -145,6 +149,7 @@ def test_docs_complete_examples_run(tmp_path):
         assert steps and steps == [2**k for k in range(len(steps))], steps
 
 
+@pytest.mark.slow
 def test_trl_distillation_example(tmp_path):
     # Not imported here: the subprocess does it (trl>=1.16 from the dev extra has the trainer).
     if importlib.util.find_spec("trl") is None:

@@ -127,6 +127,7 @@ class StepsOfEvals(TrainerCallback):
 
 
 # ---------------------------------------------------------------------- the callback
+@pytest.mark.slow
 def test_searches_after_optimizer_steps_not_micro_batches(tmp_path):
     model = tiny_model()
     seen: list[int] = []
@@ -155,6 +156,7 @@ def test_searches_after_optimizer_steps_not_micro_batches(tmp_path):
     assert any(r.accepted is not None for r in cb.history)
 
 
+@pytest.mark.slow
 def test_never_improving_gate_leaves_training_bit_identical(tmp_path):
     plain = tiny_model()
     Trainer(model=plain, args=training_args(tmp_path / "a"), train_dataset=TRAIN).train()
@@ -335,6 +337,7 @@ def _run_with_checkpoints(tmp_path, resume_from: str | bool | None = None, make_
     return model, holder, trainer
 
 
+@pytest.mark.slow
 def test_resume_continues_schedule_anchor_and_history(tmp_path):
     model, cb, _ = _run_with_checkpoints(tmp_path)
     ckpt = os.path.join(tmp_path, "out", "checkpoint-3")
@@ -356,6 +359,7 @@ def test_resume_continues_schedule_anchor_and_history(tmp_path):
     assert_same_params(params_of(model), params_of(last_model))
 
 
+@pytest.mark.slow
 def test_resume_without_saved_state_continues_the_schedule(tmp_path, caplog):
     model = tiny_model()
     args = training_args(tmp_path, save_strategy="steps", save_steps=3)
@@ -370,6 +374,7 @@ def test_resume_without_saved_state_continues_the_schedule(tmp_path, caplog):
 
 
 # ---------------------------------------------------------------------- Trainer(optimizers=...)
+@pytest.mark.slow
 def test_extrapolating_optimizer_as_trainer_optimizer(tmp_path):
     model, opt, trainer = _run_with_checkpoints(tmp_path, make_opt=True)
     assert trainer.optimizer.optimizer is opt  # Accelerate wrapped ours

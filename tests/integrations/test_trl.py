@@ -91,6 +91,7 @@ def _trl_args(tmp_path, **overrides) -> dict:
     return options
 
 
+@pytest.mark.slow
 def test_trl_sft_trainer_with_gate_dataset(tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
@@ -114,6 +115,7 @@ def test_trl_sft_trainer_with_gate_dataset(tmp_path):
     assert sum("extrapolation/accepted" in h for h in trainer.state.log_history) == 3
 
 
+@pytest.mark.slow
 def test_trl_distillation_trainer_with_eval_fn(tmp_path):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")

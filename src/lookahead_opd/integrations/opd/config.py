@@ -36,7 +36,7 @@ _REPORT_TO = ("none", "tensorboard", "wandb")
 _FSDP_TEACHER = ("replicate", "shard")
 _MIXED_PRECISION = ("none", "bfloat16", "float16")
 # The names the loop's registries define, repeated here so that the config imports none of
-# them (tests/integrations/test_config.py checks they agree): ``losses.LOSSES``'s keys, the
+# them (tests/opd/test_config.py checks they agree): ``losses.LOSSES``'s keys, the
 # options any loss reads (``losses.LOSS_INPUTS``), the top-k losses' default k
 # (``losses.DEFAULT_TOPK``) and ``lookahead_opd.selection.PARAM_SELECTORS``'s keys.
 LOSS_NAMES = ("reverse_kl_pg", "reverse_kl", "jsd", "topk_forward_kl", "topk_reverse_kl",

@@ -8,7 +8,7 @@ optimizer sees fewer weights. ``lora_deltas(model)`` reads each adapted weight's
 ``ΔW = up @ down`` (``up = B · scaling``, ``down = A``), which ``model_sources.write_delta``
 stores as two small factors per weight.
 
-Used to build the real model's RL-near teacher (``benchmarks/real_teacher.py``): full training
+Used to build the real model's RL-near teacher (``benchmarks/builders/real_teacher.py``): full training
 of SmolLM2-135M moves it far in a few steps, its top blocks alone barely, and a LoRA on every
 block keeps the teacher's delta at a few MB. The gated jump (``--extrapolate``) is not offered
 on adapters: extrapolating ``A`` and ``B`` separately scales ``ΔW = BA`` by ``c²``, not ``c``.
