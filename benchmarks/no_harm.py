@@ -215,8 +215,22 @@ def screen(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any
     return out
 
 
+def replayed(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Branch ``none`` is plain OPD: per fork lr, its held-out KL beside ``real_lm-full``'s
+    plain run at the steps both measured (equal when runs are a fixed function of the seed)."""
+    out = []
+    for lr in a.fork_lrs:
+        mine, theirs = results["runs"].get(f"fork|none|{lr:g}|0"), reference(a, "plain", lr)
+        if mine and theirs:
+            both = sorted({s for s, _ in mine["kl"]} & {s for s, _ in theirs["kl"]} - {0})
+            out.append({"lr": lr, "steps": both, "max_difference": max(
+                (abs(kl_at(mine, t) - kl_at(theirs, t)) for t in both), default=None)})
+    return out
+
+
 def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
-    return {"forks": forks(a, results), "screen": screen(a, results)}
+    return {"forks": forks(a, results), "screen": screen(a, results),
+            "replayed": replayed(a, results)}
 
 
 # --------------------------------------------------------------------------- report
@@ -272,6 +286,10 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"Branches that differ by one kept jump, run the same steps after it (held-out KL every "
         f"{FORK_KL_EVERY} steps; '→': without the jump → with it).", "",
         *fork_table(a, s),
+        *[f"Branch `none` against `real_lm-full`'s plain run at lr {r['lr']:g}, steps "
+          f"{', '.join(map(str, r['steps']))}: largest difference in held-out KL "
+          f"{_n(r['max_difference'], '{:.1e}')} (the fork's runs replay the study's)."
+          for r in s.get("replayed", [])], "",
         "## The screen (seed 0)", "",
         f"{a.max_steps} steps; plain and EffOPD are `real_lm-full`'s runs at the same lr and "
         "seed. No harm: steps to 90% of the KL drop ≥ 0.95× plain's (or both unreached) and "

@@ -1,0 +1,34 @@
+"""`benchmarks/no_harm.py`: the fork branches differ by one search each (branch `none` never
+searches, `<=s` searches up to step s), the plan orders forks before the screen, and the smoke
+pipeline's report comes back byte for byte from its json. The numbers belong to the real study."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import no_harm  # noqa: E402
+from benchmarks.common import previous_results  # noqa: E402
+
+
+@pytest.mark.slow
+def test_the_branches_differ_by_one_search_and_the_report_regenerates(tmp_path):
+    assert no_harm.main(["--smoke", "--out", str(tmp_path)]) == 0
+    results = previous_results(tmp_path, "no_harm-smoke")
+    runs = results["runs"]
+    assert list(runs) == ["fork|none|0.001|0", "fork|<=1|0.001|0", "fork|<=2|0.001|0",
+                          "screen|late|0.001|0"]
+    searched = {k: [j["step"] for j in r["jumps"]] for k, r in runs.items()}
+    assert searched["fork|none|0.001|0"] == [] and searched["fork|<=1|0.001|0"] == [1]
+    assert searched["fork|<=2|0.001|0"] == [1, 2]
+    # the same steps for every branch, the KL every FORK_KL_EVERY of them
+    steps = {k: [s for s, _ in r["kl"]] for k, r in runs.items() if k.startswith("fork")}
+    assert len(set(map(tuple, steps.values()))) == 1
+    assert steps["fork|none|0.001|0"] == list(range(0, 5, no_harm.FORK_KL_EVERY))
+    # until the first search the branches are the same run
+    first = [r["kl"][0][1] for k, r in runs.items() if k.startswith("fork")]
+    assert len(set(first)) == 1
+    md = (tmp_path / "no_harm-smoke.md").read_text()
+    assert no_harm.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
+    assert (tmp_path / "no_harm-smoke.md").read_text() == md
