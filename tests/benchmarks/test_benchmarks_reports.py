@@ -55,6 +55,7 @@ REPORTS = [
     (engines, "", "teacher_server_parity_lr1e-3",
      ["--part", "teacher_server_parity", "--stem", "teacher_server_parity_lr1e-3"], []),
     (topk, "", "topk", [], []),
+    (no_harm, "", "no_harm", [], ["real_lm-full"]),
 ]
 SLOW = {"teacher_ranking", "speedup", "scale-h200-seed0", "regimes", "lr_basin"}  # over ~1 s
 
