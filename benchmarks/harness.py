@@ -923,3 +923,12 @@ def rank_key(runs: list[dict[str, Any]], targets: dict[str, float],
         if all(s is not None for s in steps):
             return (float(i), statistics.fmean(steps), -statistics.fmean(finals))
     return (float(len(fractions)), 0.0, -statistics.fmean(finals))
+
+
+def made_by(results: dict[str, Any], *, threads: bool = True) -> str:
+    """A report's provenance: the commands that made its runs, the last commit, the machine."""
+    m = results["machine"]
+    return ("Made by " + ", then ".join(f"`{c}`" for c in results.get("commands") or [])
+            + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}"
+            + (f", {m.get('torch_threads')} thread" if threads else "") + ")")
+

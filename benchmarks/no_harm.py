@@ -272,12 +272,10 @@ def screen_table(s: dict[str, Any]) -> list[str]:
 
 
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
-    s, m = results["summary"], results["machine"]
+    s = results["summary"]
     return "\n".join([
         "# Do no harm: what a kept jump costs later, and a screen of fixes (real LM)", "",
-        "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands") or [])
-        + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}, "
-        f"{m.get('torch_threads')} thread). The `real_lm-full` setting: student "
+        harness.made_by(results) + ". The `real_lm-full` setting: student "
         f"`{real_lm.STUDENT}` training every block, its RL-near teacher, task `{a.task}`, loss "
         f"`{real_lm.LOSS}`, {a.batch_size} prompts per step, no warm-up, seed 0; EffOPD's gate "
         f"−reverse KL on {a.gate_size} fixed rollouts; held-out reverse KL on {a.kl_size} fixed "

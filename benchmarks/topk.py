@@ -175,7 +175,6 @@ def _n(x: Any, fmt: str = "{:.4f}") -> str:
 
 
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
-    m = results["machine"]
     label = {None: "full vocabulary", 0: "sampled token (reverse_kl_pg; its loss is a surrogate)"}
     rows = [[r["direction"], label.get(r["k"], f"top-{r['k']} + tail"), _n(r["loss"]),
              _n(r["cosine"], "{:.3f}"), _n(r["teacher_mass"], "{:.3f}")]
@@ -186,8 +185,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
             for r in results["runs"].values()]
     return "\n".join([
         "# How large must k be? Top-k distillation on the real SmolLM2 pair", "",
-        "Made by " + ", then ".join(f"`{c}`" for c in results.get("commands") or [])
-        + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}). "
+        harness.made_by(results, threads=False) + ". "
         f"Student `{real_lm.STUDENT}` (every block), teacher `{results['teacher']}`; "
         f"{a.kl_size} fixed held-out rollouts (the student's samples of test prompts, "
         "`real_lm`'s yardstick). Gradients over every weight of the student.", "",
