@@ -9,6 +9,7 @@ Tolerance: served and in-process log-probs agree to 1e-4 (measured: ~2e-6, float
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -123,6 +124,31 @@ def test_opd_run_with_served_teacher_matches_in_process(server, models, tmp_path
     assert [s for s, *_ in served] == [1, 2, 3]
     for (_, la, ka), (_, lb, kb) in zip(local, served, strict=True):
         assert abs(la - lb) < 1e-4 and abs(ka - kb) < 1e-4, (local, served)
+
+
+def test_a_top_k_run_and_the_neg_kl_gate_from_vllm_serve_match_in_process(server, models,
+                                                                          tmp_path):
+    """The top-k losses and the −KL gate read ``prompt_logprobs=k`` from a real server: the
+    run's losses and bucketed KL are the in-process teacher's, and the gate runs."""
+    student, teacher, _ = models
+    common = ["--student", str(student), *RUN, "--max_steps", "2", "--loss", "topk_reverse_kl",
+              "--topk", "8"]
+    gated = ["--extrapolate", "--gate", "neg_kl", "--gate_size", "8"]
+    assert main([*common, "--teacher", str(teacher), "--output_dir", str(tmp_path / "a")]) == 0
+    assert main([*common, "--teacher_url", server.url, "--output_dir", str(tmp_path / "b")]) == 0
+    assert main([*common, *gated, "--teacher_url", server.url,
+                 "--output_dir", str(tmp_path / "c")]) == 0
+    runs = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+            for d in ("a", "b", "c")]
+    local, served = ([m for m in run if "loss" in m] for run in runs[:2])
+    assert [m["step"] for m in served] == [1, 2]
+    for a, b in zip(local, served, strict=True):
+        for key in ("loss", "topk_reverse_kl", "teacher_tail"):
+            assert abs(a[key] - b[key]) < 1e-4, (key, a[key], b[key])
+    # The served gate scores the top-k reverse KL on finite scores, at steps 1 and 2.
+    jumps = [m["jump"] for m in runs[2] if "jump" in m]
+    assert [j["step"] for j in jumps] == [1, 2]
+    assert all(math.isfinite(x) for j in jumps for x in [j["score_before"], *j["scores"]])
 
 
 def test_server_killed_mid_run_then_resume(models, tmp_path):
