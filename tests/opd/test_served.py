@@ -53,6 +53,15 @@ def test_top_k_is_sorted_most_likely_first(stub):
     assert (s.top_logprobs[:, :-1] >= s.top_logprobs[:, 1:]).all()
 
 
+def test_received_bytes_count_every_answer_and_grow_with_k(stub):
+    client = _client(stub.url)
+    client.score([SEQS[0]], top_k=1)
+    one = client.received_bytes
+    client.score([SEQS[0]], top_k=8)
+    eight = client.received_bytes - one
+    assert one > 0 and eight > 2 * one  # 8 entries per position where there was one
+
+
 def test_in_flight_requests_are_bounded(stub):
     stub.slow_s = 0.05
     stub.actions.extend(["slow"] * 12)

@@ -96,6 +96,7 @@ class TeacherClient:
     of a torchrun job has its own), each sent to the server with the fewest in flight.
     ``timeout`` bounds each request in seconds; a failed attempt is tried again up to
     ``retries`` times, after ``backoff · 2^i`` seconds (or the server's ``Retry-After``).
+    ``received_bytes`` counts the bytes of every answer body read (the price of a larger k).
     """
 
     def __init__(self, urls: str | Sequence[str], *, max_inflight: int = 16,
@@ -115,6 +116,7 @@ class TeacherClient:
         self._turn = 0  # breaks ties between equally loaded servers in turn
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self.received_bytes = 0
 
     # ------------------------------------------------------------------ transport
     def _request(self, url: str, method: str, path: str, body: dict[str, Any] | None = None
@@ -129,6 +131,8 @@ class TeacherClient:
                          headers={"Content-Type": "application/json"} if data else {})
             resp = conn.getresponse()
             raw = resp.read()
+            with self._lock:
+                self.received_bytes += len(raw)
         except TimeoutError:
             raise _Failure(f"no answer within --teacher_timeout {self.timeout:g} s",
                            retry=True) from None
