@@ -19,6 +19,16 @@ teacher, task, held-out KL rollouts and seeds, and asks two things:
    ``SCREEN_LRS`` (the harm, the gain), 40 steps, accuracy only at the end; compared with the
    plain and EffOPD runs of ``real_lm-full`` at the same lr and seed (same config).
 
+3. **Prodigy's fine-tuning advice** (``--stages advice``, item 4). Its authors advise a smaller
+   ``d_coef`` and ``safeguard_warmup`` with a short lr warm-up for fine-tuning (the Prodigy
+   README; konstmish/prodigy #27, #39). Each setting of ``ADVICE`` runs on seed 0 from 1e-6;
+   the one with the lowest held-out KL at the cap is "Prodigy, advised" below.
+4. **The rivals** (``--stages rivals``, item 4): each of ``RIVALS`` from 1e-6 and at 1e-5
+   (``RIVAL_LRS``; Prodigy's ``d0`` is that lr), seeds ``SEEDS``.
+5. **The confirmation** (``--stages confirm --default NAME``, item 3): the chosen variant (a
+   name of ``VARIANTS``, or ``effopd``) beside plain at ``CONFIRM_LRS`` × ``SEEDS``; the runs
+   ``real_lm-full`` holds are read from it, the others run here.
+
     OMP_NUM_THREADS=1 python -m benchmarks.no_harm --workers 2 &    # twice: two workers
     python -m benchmarks.no_harm --report-only
     python -m benchmarks.no_harm --smoke --out /tmp/no_harm         # the pipeline, a zoo pair
@@ -29,6 +39,7 @@ Every run is appended to ``no_harm.json`` when it ends; a rerun skips the runs t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from typing import Any
 
@@ -61,13 +72,34 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "c<=2": dict(coefficients="1,2"),
     "lr_follow": dict(lr_follow=32),
 }
+STAGES = ("forks", "screen", "advice", "rivals", "confirm")
+# summary()'s reading: kept jumps that added more distance than the optimizer moved hint that
+# the lr is too small (real_lm-full, seed 0: 5.17 at 1e-6, 0.59 at 1e-5)
+TOO_SMALL = 1.0
+SEEDS = (0, 1, 2)
+RIVAL_LRS = (1e-6, 1e-5)  # from the paper's lr, and at plain's best (Prodigy: its d0)
+CONFIRM_LRS = (1e-6, 3e-6, 1e-5, 3e-5)
+ADVICE_WARMUP = 4  # steps of linear lr warm-up (10% of the 40): "a short warm-up"
+ADVICE = {f"d_coef={d:g}": d for d in (0.5, 0.1)}  # the README's "0.5 or even 0.1"
+PRODIGY = {"optimizer": "prodigy"}  # lr 1 (build_optimizer), d0 = the run's lr
+# The rivals, each EffOPD's or Prodigy's options; "Prodigy, advised" takes the advice's pick.
+RIVAL_NAMES = {"effopd+lr_follow": "lr_follow"}  # a rival that is a screen variant: one run
+RIVALS: dict[str, dict[str, Any]] = {
+    "prodigy": PRODIGY,
+    "prodigy, advised": PRODIGY,
+    "effopd+lr_follow": {**EFFOPD, **VARIANTS["lr_follow"]},
+    "effopd(prodigy)": {**EFFOPD, **PRODIGY},
+}
 
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--teacher", default=None, help="the teacher's model folder (real_lm's)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"the screen's variants, in order (of {', '.join(VARIANTS)})")
-    p.add_argument("--no-forks", dest="forks", action="store_false", help="the screen only")
+    p.add_argument("--stages", default="forks,screen",
+                   help=f"comma-separated, in order (of {', '.join(STAGES)})")
+    p.add_argument("--default", default=None,
+                   help="confirm: the chosen variant (a screen variant's name, or effopd)")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--kl-every", type=int, default=5)
@@ -82,21 +114,54 @@ def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     unknown = [v for v in a.variants if v not in VARIANTS]
     if unknown:
         p.error(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
+    if isinstance(a.stages, str):
+        a.stages = [x for x in a.stages.split(",") if x]
+    if set(a.stages) - set(STAGES):
+        p.error(f"--stages: unknown {sorted(set(a.stages) - set(STAGES))}; known: "
+                f"{', '.join(STAGES)}")
+    if "confirm" in a.stages and a.default not in (*VARIANTS, "effopd"):
+        p.error(f"--stages confirm needs --default, one of effopd, {', '.join(VARIANTS)}")
+    a.seeds, a.rival_lrs, a.confirm_lrs = SEEDS, RIVAL_LRS, CONFIRM_LRS
     a.task, a.top_blocks = real_lm.TASK, 0
     a.fork_lrs, a.screen_lrs, a.fork_last, a.fork_after = FORK_LRS, SCREEN_LRS, FORK_LAST, FORK_AFTER
     if a.smoke:  # the committed tiny zoo pair: every kind of run in a minute
         a.task, a.top_blocks = "arithmetic", 1
         a.fork_lrs = a.screen_lrs = (1e-3,)
         a.fork_last, a.fork_after, a.variants = 2, 2, a.variants[:1]
+        a.seeds, a.rival_lrs, a.confirm_lrs = (0, 1), (1e-3,), (1e-3,)
 
 
 # --------------------------------------------------------------------------- the plan
 
 
-def reference(a: argparse.Namespace, method: str, lr: float) -> dict[str, Any] | None:
-    """``real_lm-full``'s seed-0 run of ``method`` at ``lr`` (the same config), if any."""
+def reference(a: argparse.Namespace, method: str, lr: float, seed: int = 0
+              ) -> dict[str, Any] | None:
+    """``real_lm-full``'s run of ``method`` (plain or effopd) at ``lr`` and ``seed`` (the same
+    config), if any."""
     full = None if a.smoke else previous_results(a.out, real_lm.FULL_STEM)
-    return (full or {}).get("runs", {}).get(real_lm.run_key("full", method, lr, 0))
+    return (full or {}).get("runs", {}).get(real_lm.run_key("full", method, lr, seed))
+
+
+def find_run(a: argparse.Namespace, results: dict[str, Any], name: str, lr: float, seed: int
+             ) -> dict[str, Any] | None:
+    """The run of method ``name`` (plain, effopd, a variant or a rival) at ``lr`` and ``seed``
+    wherever it was made: ``real_lm-full``, the screen, the rivals or the confirmation (the
+    same config in each, so no run is made twice)."""
+    name = RIVAL_NAMES.get(name, name)
+    if name in ("plain", "effopd") and (ref := reference(a, name, lr, seed)) is not None:
+        return ref
+    return next((r for kind in ("screen", "rival", "confirm")
+                 if (r := results["runs"].get(f"{kind}|{name}|{lr:g}|{seed}")) is not None), None)
+
+
+def advice_pick(a: argparse.Namespace, results: dict[str, Any]) -> str | None:
+    """The setting of ``ADVICE`` whose seed-0 run from the first rival lr ends at the lowest
+    held-out KL (all of them run), else None."""
+    runs = {n: results["runs"].get(f"advice|{n}|{a.rival_lrs[0]:g}|0") for n in ADVICE}
+    if None in runs.values():
+        return None
+    final = {n: describe(a, results, r)["final_kl"] for n, r in runs.items()}
+    return min(final, key=lambda n: math.inf if final[n] is None else final[n])
 
 
 def fork_points(a: argparse.Namespace, lr: float) -> list[int]:
@@ -110,37 +175,73 @@ def fork_points(a: argparse.Namespace, lr: float) -> list[int]:
     return [j["step"] for j in ref["jumps"] if j["accepted"] is not None and j["step"] in steps]
 
 
-def jobs(a: argparse.Namespace) -> list[tuple[str, tuple[str, str, float]]]:
-    """(key, (kind, name, lr)): the fork branches of every lr, then the screen, both lrs of
-    one variant before the next."""
+def wanted(a: argparse.Namespace, results: dict[str, Any], stage: str
+           ) -> list[tuple[str, float, int]]:
+    """(method, lr, seed) of ``stage``, in the order they run."""
+    if stage == "forks":
+        return [(n, lr, 0) for lr in a.fork_lrs
+                for n in ("none", *(f"<={s}" for s in fork_points(a, lr)))]
+    if stage == "screen":
+        return [(v, lr, 0) for v in a.variants for lr in a.screen_lrs]
+    if stage == "advice":
+        return [(n, a.rival_lrs[0], 0) for n in ADVICE]
+    if stage == "rivals":
+        names = [n for n in RIVALS if n != "prodigy, advised" or advice_pick(a, results)]
+        return [(RIVAL_NAMES.get(n, n), lr, s) for s in a.seeds for lr in a.rival_lrs
+                for n in names]
+    return [(n, lr, s) for s in a.seeds for lr in a.confirm_lrs for n in ("plain", a.default)]
+
+
+def jobs(a: argparse.Namespace, results: dict[str, Any]
+         ) -> list[tuple[str, tuple[str, str, float, int]]]:
+    """(key, (kind, name, lr, seed)) of every stage of ``--stages``, skipping the rivals' and
+    the confirmation's runs already made elsewhere (``find_run``)."""
+    kind = {"forks": "fork", "rivals": "rival"}
     out = []
-    if a.forks:
-        for lr in a.fork_lrs:
-            points = fork_points(a, lr)
-            out += [("fork", "none", lr)] + [("fork", f"<={s}", lr) for s in points]
-    out += [("screen", v, lr) for v in a.variants for lr in a.screen_lrs]
-    return [(f"{kind}|{name}|{lr:g}|0", (kind, name, lr)) for kind, name, lr in out]
+    for stage in a.stages:
+        k = kind.get(stage, stage)
+        out += [(f"{k}|{n}|{lr:g}|{seed}", (k, n, lr, seed))
+                for n, lr, seed in wanted(a, results, stage)
+                if k not in ("rival", "confirm") or find_run(a, results, n, lr, seed) is None]
+    return out
 
 
-def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, kind: str,
-            name: str, lr: float) -> dict[str, Any]:
-    fields = dict(EFFOPD, gate_size=a.gate_size)
+def fields_of(a: argparse.Namespace, results: dict[str, Any], kind: str, name: str, lr: float
+              ) -> dict[str, Any]:
+    """The OPDConfig fields of a run (its method's options; Prodigy's ``d0`` is ``lr``)."""
     if kind == "fork":
-        points = fork_points(a, lr)
         last = name.removeprefix("<=")
         searches = [] if name == "none" else [s for s in (2 ** i for i in range(8))
                                               if s <= int(last)]
-        fields.update(schedule=",".join(map(str, searches)) or NEVER)
-        steps, every = max(points, default=0) + a.fork_after, FORK_KL_EVERY
-        eval_size = 8  # the accuracy at the ends is not read: the KL is the measure
+        fields = {**EFFOPD, "schedule": ",".join(map(str, searches)) or NEVER}
+    elif kind == "advice" or name == "prodigy, advised":
+        pick = name if kind == "advice" else advice_pick(a, results)
+        fields = {**PRODIGY, "warmup_steps": ADVICE_WARMUP, "d_coef": ADVICE[pick]}
     else:
-        fields.update(VARIANTS[name])
+        fields = dict(RIVALS.get(name) or ({} if name == "plain" else EFFOPD))
+        fields.update(VARIANTS.get(name, {}))
+    if "gate" in fields:
+        fields["gate_size"] = a.gate_size
+    if fields.get("optimizer") == "prodigy":
+        kwargs = {"d0": lr, **({"d_coef": fields.pop("d_coef")} if "d_coef" in fields else {})}
+        fields["optimizer_kwargs"] = json.dumps(kwargs)
+    return fields
+
+
+def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL,
+            store: harness.Store, kind: str, name: str, lr: float, seed: int
+            ) -> dict[str, Any]:
+    fields = fields_of(a, store.data, kind, name, lr)
+    if kind == "fork":
+        steps = max(fork_points(a, lr), default=0) + a.fork_after
+        every, eval_size = FORK_KL_EVERY, 8  # the accuracy at the ends is not read
+    else:
         steps, every, eval_size = a.max_steps, a.kl_every, a.eval_size
     config = harness.opd_config(
-        a.stem, f"{kind}-{name}-{lr:g}", task=a.task, loss=real_lm.LOSS, max_steps=steps,
-        batch_size=a.batch_size, learning_rate=lr, warmup_steps=0, eval_every=0,
-        eval_size=eval_size, seed=0, train_top_blocks=a.top_blocks, progress=not a.smoke,
-        **fields)
+        a.stem, f"{kind}-{name}-{lr:g}-{seed}", task=a.task, loss=real_lm.LOSS,
+        max_steps=steps, batch_size=a.batch_size, learning_rate=lr, eval_every=0,
+        eval_size=eval_size, seed=seed, train_top_blocks=a.top_blocks, progress=not a.smoke,
+        **{"warmup_steps": 0, **fields})
     probes: list[harness.HeldOutKL] = []
 
     def watch(model: torch.nn.Module) -> list[Any]:
@@ -150,7 +251,7 @@ def run_one(a: argparse.Namespace, pair: dict[str, Any], kl: harness.HeldOutKL, 
         return probes
 
     run = harness.run(config, pair, a.task, callbacks=watch, engine_batch_size=64)
-    run.update(kind=kind, name=name, lr=lr, seed=0, options=fields,
+    run.update(kind=kind, name=name, lr=lr, seed=seed, options=fields,
                kl=probes[0].curve if probes else [])
     return run
 
@@ -191,28 +292,109 @@ def describe(a: argparse.Namespace, results: dict[str, Any], r: dict[str, Any] |
     return real_lm.describe_run(b, results, r)
 
 
+def compared(a: argparse.Namespace, results: dict[str, Any], name: str, lr: float, seed: int,
+             plain_lr: float, run: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The run of ``name`` at ``lr`` and ``seed``, described, with its ratios to plain's at
+    ``plain_lr`` and the same seed: steps to 90% of the KL drop (plain / run: ≥ 0.95 is no
+    harm) and the KL at the cap (run / plain: ≤ 1.05 is no harm); and its summary's
+    ``extra_distance``. None when the run is not made yet. ``run``: this one instead of
+    ``find_run``'s."""
+    run = run or find_run(a, results, name, lr, seed)
+    d = describe(a, results, run)
+    if d is None:
+        return None
+    plain = describe(a, results, find_run(a, results, "plain", plain_lr, seed))
+    steps = end = None
+    if plain is not None:
+        steps = real_lm.ratio(plain["kl_steps_0.9"], d["kl_steps_0.9"],
+                              a.max_steps + a.kl_every)
+        end = (d["final_kl"] / plain["final_kl"]
+               if d["final_kl"] is not None and plain["final_kl"] else None)
+    return {"lr": lr, "seed": seed, "name": name, **d, "steps_ratio_0.9": steps,
+            "kl_ratio": end, "extra_distance": (run.get("summary") or {}).get("extra_distance")}
+
+
 def screen(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per lr: plain and EffOPD (real_lm-full's) and every variant run, described, with its
-    ratios to plain: steps to 90% of the KL drop (plain / variant: ≥ 0.95 is no harm) and the
-    KL at the cap (variant / plain: ≤ 1.05 is no harm)."""
-    cap = a.max_steps + a.kl_every
+    """Per lr: plain and EffOPD (real_lm-full's) and every variant, seed 0, beside plain."""
+    rows = [compared(a, results, n, lr, 0, lr)
+            for lr in a.screen_lrs for n in ("plain", "effopd", *VARIANTS)]
+    return [r for r in rows if r is not None]
+
+
+def plain_best(a: argparse.Namespace) -> float:
+    """Plain's best lr on seed 0 in ``real_lm-full`` (its ranking); the last rival lr when
+    there is none (the smoke run)."""
+    full = None if a.smoke else previous_results(a.out, real_lm.FULL_STEM)
+    plain = real_lm.runs_of(full, "full", "plain") if full else {}
+    return real_lm.best_of(plain, sorted(plain)) if plain else a.rival_lrs[-1]
+
+
+def seeds_of(a: argparse.Namespace, results: dict[str, Any], name: str, lr: float,
+             plain_lr: float) -> dict[str, Any]:
+    """``compared`` over the seeds, its numbers gathered per key (the runs made so far)."""
+    runs = [r for s in a.seeds if (r := compared(a, results, name, lr, s, plain_lr))]
+    keys = ("kl_steps_0.9", "final_kl", "final_accuracy", "clock", "gate_share",
+            "steps_ratio_0.9", "kl_ratio", "extra_distance")
+    return {"name": name, "lr": lr, "plain_lr": plain_lr, "seeds": [r["seed"] for r in runs],
+            **{k: [r[k] for r in runs] for k in keys}}
+
+
+def advice(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """Each setting of Prodigy's advice on seed 0 from the first rival lr, and the pick."""
+    lr = a.rival_lrs[0]
+    runs = {n: results["runs"].get(f"advice|{n}|{lr:g}|0") for n in ADVICE}
+    rows = [compared(a, results, n, lr, 0, plain_best(a), run) for n, run in runs.items() if run]
+    return {"rows": rows, "pick": advice_pick(a, results)}
+
+
+def rivals(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Plain at its best lr, then EffOPD and each rival at each rival lr, over the seeds,
+    beside plain at its best lr."""
+    best = plain_best(a)
+    rows = [seeds_of(a, results, "plain", best, best)]
+    rows += [seeds_of(a, results, n, lr, best) for lr in a.rival_lrs
+             for n in ("effopd", *RIVALS)]
+    return [r for r in rows if r["seeds"]]
+
+
+def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per lr of the confirmation: the default beside plain at the same lr, over the seeds,
+    with the bar of item 3: steps to 90% ≥ 0.95× plain's on every seed (both unreached
+    passes), the KL at the cap ≤ 1.05× plain's on every seed, and ≥ 1.8× fewer steps (mean)
+    at the smallest lr."""
+    if not a.default:
+        return []
     out = []
-    for lr in a.screen_lrs:
-        plain = describe(a, results, reference(a, "plain", lr))
-        rows = [("plain (real_lm-full)", plain),
-                ("EffOPD (real_lm-full)", describe(a, results, reference(a, "effopd", lr)))]
-        rows += [(v, describe(a, results, results["runs"].get(f"screen|{v}|{lr:g}|0")))
-                 for v in VARIANTS]
-        for name, d in rows:
-            if d is None:
-                continue
-            steps = end = None
-            if plain is not None:
-                steps = real_lm.ratio(plain["kl_steps_0.9"], d["kl_steps_0.9"], cap)
-                end = (d["final_kl"] / plain["final_kl"]
-                       if d["final_kl"] is not None and plain["final_kl"] else None)
-            out.append({"lr": lr, "name": name, **d, "steps_ratio_0.9": steps, "kl_ratio": end})
+    for lr in a.confirm_lrs:
+        r = seeds_of(a, results, a.default, lr, lr)
+        complete = len(r["seeds"]) == len(a.seeds)
+        steps = [x for x in r["steps_ratio_0.9"] if x is not None]
+        r.update(complete=complete,
+                 no_harm_steps=complete and all(x >= 0.95 for x in steps),
+                 no_harm_kl=complete and all(x is not None and x <= 1.05 for x in r["kl_ratio"]),
+                 gain=(complete and lr == min(a.confirm_lrs)
+                       and bool(steps) and sum(steps) / len(steps) >= 1.8))
+        out.append(r)
     return out
+
+
+def hit_rate(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """How often ``summary()``'s reading (``extra_distance`` > ``TOO_SMALL``: the lr may be too
+    small) agrees with the truth (the lr is below plain's best), over every EffOPD run with a
+    summary here and in ``real_lm-full`` (forks and Prodigy's excluded)."""
+    full = None if a.smoke else previous_results(a.out, real_lm.FULL_STEM)
+    runs = [r for r in results["runs"].values() if r.get("kind") not in ("fork", "advice")]
+    runs += [r for r in (full or {}).get("runs", {}).values() if r.get("method") == "effopd"]
+    best, hits, rows = plain_best(a), 0, []
+    for r in runs:
+        extra = (r.get("summary") or {}).get("extra_distance")
+        if extra is None:
+            continue
+        agree = (extra > TOO_SMALL) == (r["lr"] < best)
+        hits += agree
+        rows.append({"name": r.get("name", r.get("method")), "lr": r["lr"], "seed": r["seed"],
+                     "extra_distance": extra, "agrees": agree})
+    return {"hits": hits, "runs": len(rows), "plain_best": best, "rows": rows}
 
 
 def replayed(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,7 +412,9 @@ def replayed(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, A
 
 def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     return {"forks": forks(a, results), "screen": screen(a, results),
-            "replayed": replayed(a, results)}
+            "replayed": replayed(a, results), "advice": advice(a, results),
+            "rivals": rivals(a, results), "confirm": confirm(a, results),
+            "hit_rate": hit_rate(a, results)}
 
 
 # --------------------------------------------------------------------------- report
@@ -260,7 +444,8 @@ def fork_table(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
 def screen_table(s: dict[str, Any]) -> list[str]:
     if not s["screen"]:
         return ["Not run yet.", ""]
-    rows = [[f"{r['lr']:g}", r["name"], real_lm._steps(r, "kl"),
+    label = {"plain": "plain (real_lm-full)", "effopd": "EffOPD (real_lm-full)"}
+    rows = [[f"{r['lr']:g}", label.get(r["name"], r["name"]), real_lm._steps(r, "kl"),
              f"{_n(r['kl0'])} → {_n(r['final_kl'])}",
              _n(r["steps_ratio_0.9"], "{:.2f}"), _n(r["kl_ratio"], "{:.2f}"),
              ", ".join(f"{c:g}" for c in r["kept_coefficients"]) or "none",
@@ -269,6 +454,84 @@ def screen_table(s: dict[str, Any]) -> list[str]:
     return [markdown_table(["lr", "run", "KL steps 50/75/90%", "KL start → at cap",
                             "steps to 90%: plain / run", "KL at cap: run / plain", "c kept",
                             "accuracy at cap", "gate share", "clock (s)"], rows), ""]
+
+
+def spread(values: list[Any], fmt: str = "{:.3f}", none: str = "missing") -> str:
+    """'mean (min–max)' of the values, over those that are not None; how many are is said
+    (``none``: what a None means, as a step count never reached)."""
+    got = [v for v in values if v is not None]
+    if not got:
+        return none if values else ""
+    text = fmt.format(sum(got) / len(got))
+    if len(got) > 1:
+        text += f" ({fmt.format(min(got))}–{fmt.format(max(got))})"
+    return text + ("" if len(got) == len(values) else f"; {len(values) - len(got)} {none}")
+
+
+def seeds_table(rows: list[dict[str, Any]], plain: str) -> list[str]:
+    """One row per (method, lr): mean (min–max) over its seeds."""
+    if not rows:
+        return ["Not run yet.", ""]
+    names = {"plain": "plain", "effopd": "EffOPD", "lr_follow": "EffOPD + lr_follow",
+             "effopd+lr_follow": "EffOPD + lr_follow", "effopd(prodigy)": "EffOPD wrapping Prodigy",
+             "prodigy": "Prodigy (defaults)", "prodigy, advised": "Prodigy, advised"}
+    body = [[names.get(r["name"], r["name"]), f"{r['lr']:g}", len(r["seeds"]),
+             spread(r["kl_steps_0.9"], "{:.0f}", "not reached"), spread(r["final_kl"], "{:.4f}"),
+             spread(r["steps_ratio_0.9"], "{:.2f}", "both unreached"),
+             spread(r["kl_ratio"], "{:.2f}"), spread(r["final_accuracy"], "{:.1%}"),
+             spread(r["clock"], "{:.0f}")]
+            for r in rows]
+    return [markdown_table(["method", "lr (Prodigy: d0)", "seeds", "steps to 90% of the KL drop",
+                            "KL at cap", f"steps: {plain} / run", f"KL at cap: run / {plain}",
+                            "accuracy at cap", "clock (s)"], body), ""]
+
+
+def advice_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
+    rows = s["advice"]["rows"]
+    if not rows:
+        return ["Not run yet.", ""]
+    body = [[r["name"], real_lm._steps(r, "kl"), _n(r["final_kl"], "{:.4f}"),
+             _n(r["final_accuracy"], "{:.1%}")] for r in rows]
+    pick = s["advice"]["pick"]
+    return [markdown_table(["Prodigy, warm-up " f"{ADVICE_WARMUP} steps, safeguard_warmup",
+                            "KL steps 50/75/90%", "KL at cap", "accuracy at cap"], body), "",
+            f"Picked: `{pick}`, the lowest held-out KL at the cap (seed 0, from "
+            f"{a.rival_lrs[0]:g}); \"Prodigy, advised\" below runs it." if pick else
+            "Not picked yet: every setting must run.", ""]
+
+
+def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
+    rows = s["confirm"]
+    if not rows:
+        return ["Not run yet: `--stages confirm --default NAME` once the screen has chosen.", ""]
+    body = [[f"{r['lr']:g}", len(r["seeds"]),
+             spread(r["steps_ratio_0.9"], "{:.2f}", "both unreached"),
+             spread(r["kl_ratio"], "{:.2f}"), spread(r["clock"], "{:.0f}"),
+             spread(r["gate_share"], "{:.0%}"),
+             "—" if not r["complete"] else ("yes" if r["no_harm_steps"] and r["no_harm_kl"]
+                                            else "no")] for r in rows]
+    done = all(r["complete"] for r in rows)
+    harmless = done and all(r["no_harm_steps"] and r["no_harm_kl"] for r in rows)
+    gain = done and rows[0]["gain"]
+    verdict = ("**Verdict:** not every run is made yet." if not done else
+               f"**Verdict:** `{a.default}` {'does no harm' if harmless else 'harms'} at every "
+               f"lr, and {'keeps' if gain else 'does not keep'} ≥ 1.8× fewer steps at "
+               f"{rows[0]['lr']:g}.")
+    return [f"The default `{a.default}` beside plain at the same lr and seed, mean (min–max) "
+            "over the seeds.", "",
+            markdown_table(["lr", "seeds", "steps to 90%: plain / default",
+                            "KL at cap: default / plain", "clock (s)", "gate share",
+                            "no harm on every seed"], body), "", verdict, ""]
+
+
+def hit_lines(s: dict[str, Any]) -> list[str]:
+    h = s["hit_rate"]
+    if not h["runs"]:
+        return ["No EffOPD run with a summary yet.", ""]
+    return [f"`summary()` reads \"the lr may be too small\" when `extra_distance` > {TOO_SMALL:g}. "
+            f"Below plain's best lr ({h['plain_best']:g}) that is right, at or above it wrong: "
+            f"it agrees on {h['hits']} of {h['runs']} EffOPD runs (screen, rivals, confirmation "
+            "and `real_lm-full`).", ""]
 
 
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
@@ -293,11 +556,23 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "seed. No harm: steps to 90% of the KL drop ≥ 0.95× plain's (or both unreached) and "
         "the KL at the cap ≤ 1.05× plain's.", "",
         *screen_table(s),
+        "## Prodigy's fine-tuning advice (seed 0)", "",
+        *advice_lines(a, s),
+        "## The rivals", "",
+        f"From {' and at '.join(f'{x:g}' for x in a.rival_lrs)}, {len(a.seeds)} seeds, "
+        "beside plain at its best lr "
+        f"({plain_best(a):g}) on the same seed; mean (min–max).", "",
+        *seeds_table(s["rivals"], f"plain at {plain_best(a):g}"),
+        "## The confirmation", "",
+        *confirm_lines(a, s),
+        "## What summary() reads", "",
+        *hit_lines(s),
     ])
 
 
-def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any], Any]:
-    """real_lm's pair, the teacher's accuracy (real_lm-full's when known), the held-out KL."""
+def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[Any, ...]:
+    """real_lm's pair, the held-out KL and the store (the teacher's accuracy in its results:
+    real_lm-full's when known)."""
     pair = real_lm.load_pair(a)
     results = store.data
     results["teacher"] = pair["teacher_name"]
@@ -309,15 +584,16 @@ def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any]
                            task.problems("test", a.kl_size, seed=real_lm.KL_PROBLEM_SEED),
                            every=a.kl_every, max_new_tokens=task.max_new_tokens,
                            seed=real_lm.KL_SEED)
-    return pair, kl
+    return pair, kl, store
 
 
 STUDY = harness.Study(
     STEM, __doc__, report, options=options, uses=("threads", "budget", "workers"),
     smoke=dict(max_steps=4, batch_size=8, kl_every=2, kl_size=8, eval_size=40, gate_size=8),
     configure=configure,
-    report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size"),
-    prepare=prepare, jobs=lambda a, store, ctx: jobs(a),
+    report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size",
+                    "default"),
+    prepare=prepare, jobs=lambda a, store, ctx: jobs(a, store.data),
     run=lambda a, ctx, job: run_one(a, *ctx, *job), summarize=summarize)
 main = STUDY.main
 

@@ -32,3 +32,33 @@ def test_the_branches_differ_by_one_search_and_the_report_regenerates(tmp_path):
     md = (tmp_path / "no_harm-smoke.md").read_text()
     assert no_harm.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
     assert (tmp_path / "no_harm-smoke.md").read_text() == md
+
+
+@pytest.mark.slow
+def test_rivals_and_confirmation_make_each_run_once_and_prodigy_takes_the_advice(tmp_path):
+    argv = ["--smoke", "--out", str(tmp_path), "--stages", "screen,advice,rivals,confirm",
+            "--variants", "lr_follow", "--default", "lr_follow"]
+    assert no_harm.main(argv) == 0
+    results = previous_results(tmp_path, "no_harm-smoke")
+    runs = results["runs"]
+    # EffOPD + lr_follow is the screen's variant: its seed-0 run is the screen's, made once,
+    # and the confirmation of lr_follow reuses both seeds' runs; plain has no real_lm-full here
+    assert sorted(runs) == sorted([
+        "screen|lr_follow|0.001|0", "advice|d_coef=0.5|0.001|0", "advice|d_coef=0.1|0.001|0",
+        *(f"rival|{n}|0.001|{s}" for s in (0, 1)
+          for n in ("prodigy", "prodigy, advised", "effopd(prodigy)")),
+        "rival|lr_follow|0.001|1", "confirm|plain|0.001|0", "confirm|plain|0.001|1"])
+    pick = results["summary"]["advice"]["pick"]
+    assert pick in no_harm.ADVICE
+    advised = runs["rival|prodigy, advised|0.001|1"]["options"]
+    assert advised["optimizer"] == "prodigy" and advised["warmup_steps"] == no_harm.ADVICE_WARMUP
+    assert '"d0": 0.001' in advised["optimizer_kwargs"]
+    assert f'"d_coef": {no_harm.ADVICE[pick]}' in advised["optimizer_kwargs"]
+    assert "d_coef" not in runs["rival|prodigy|0.001|0"]["options"]["optimizer_kwargs"]
+    assert runs["rival|effopd(prodigy)|0.001|0"]["options"]["extrapolate"] is True
+    (confirmed,) = results["summary"]["confirm"]
+    assert confirmed["seeds"] == [0, 1] and confirmed["complete"]
+    md = (tmp_path / "no_harm-smoke.md").read_text()
+    assert "Picked: `" in md and "**Verdict:** `lr_follow`" in md
+    assert no_harm.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
+    assert (tmp_path / "no_harm-smoke.md").read_text() == md
