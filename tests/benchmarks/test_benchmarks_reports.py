@@ -51,10 +51,11 @@ REPORTS = [
     (loss_memory, "", "loss_memory", [], []),
     (engines, "", "rollout", ["--part", "rollout"], []),
     (engines, "", "teacher_server", ["--part", "teacher_server"], []),
+    (engines, "", "teacher_topk", ["--part", "teacher_topk"], []),
     (engines, "", "teacher_server_parity", ["--part", "teacher_server_parity"], []),
     (engines, "", "teacher_server_parity_lr1e-3",
      ["--part", "teacher_server_parity", "--stem", "teacher_server_parity_lr1e-3"], []),
-    (topk, "", "topk", [], []),
+    (topk, "", "topk", [], ["teacher_topk"]),
     (no_harm, "", "no_harm", [], ["real_lm-full"]),
 ]
 SLOW = {"teacher_ranking", "speedup", "scale-h200-seed0", "regimes", "lr_basin"}  # over ~1 s
