@@ -71,6 +71,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # overshoot: at a tuned lr the best c is ~1 (Luner & Grimmer); cap it
     "c<=2": dict(coefficients="1,2"),
     "lr_follow": dict(lr_follow=32),
+    # selection on a small gate: the forks' c = 2 at step 2 (1e-5) won on the gate and lost on
+    # the held-out rollouts two steps later; ask for 2 paired standard errors of the gate set
+    "margin": dict(margin=2.0),
 }
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that

@@ -8,7 +8,8 @@ After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
    start from the current average, so ``c = 0`` is the window average itself);
 3. tries ``W = base + c·Δ`` for each coefficient ``c`` in order (fp32 math, cast to the
    parameter dtype), keeping a candidate only while it beats the best score by more than
-   ``min_improvement``, and stops at the first that does not;
+   ``min_improvement`` (and, with ``margin = z`` and per-example scores, by more than z
+   standard errors of the per-example differences), and stops at the first that does not;
 4. leaves the best weights in place bit-exactly and makes them the next anchor.
 
 The optimizer's state and step count are left alone unless ``on_jump="reset"``.
@@ -139,14 +140,37 @@ def _named(params: ParamsSpec) -> list[tuple[str, Tensor]]:
     return out
 
 
-def _to_score(value: object) -> float:
+def _to_score(value: object) -> tuple[float, Tensor | None]:
+    """``eval_fn``'s answer as (score, per-example scores or None): a number; or a 1-D tensor,
+    list or tuple of per-example scores, whose mean is the score."""
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                for v in value):
+            raise TypeError(f"eval_fn must return a number, or a {type(value).__name__} of "
+                            f"one real number per example (at least one), got {value!r}")
+        value = torch.tensor(value, dtype=torch.float64)
     if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"eval_fn must return one number, got a tensor of shape {tuple(value.shape)}")
-        return float(value.item())
+        if value.dim() != 1 and value.numel() == 1:
+            return float(value.item()), None
+        if value.dim() != 1 or value.is_complex():
+            raise TypeError("eval_fn must return one number or a 1-D tensor of per-example "
+                            f"scores, got a {value.dtype} tensor of shape {tuple(value.shape)}")
+        per = value.detach().to("cpu", torch.float64)
+        return float(per.mean()), per
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"eval_fn must return a real number, got {type(value).__name__}: {value!r}")
-    return float(value)
+    return float(value), None
+
+
+def _paired_standard_error(a: Tensor, b: Tensor) -> float:
+    """The standard error of the mean of ``a − b`` (the same examples scored twice): what a
+    score difference that large would be by chance alone. Infinite with fewer than 2."""
+    if a.shape != b.shape:
+        raise ValueError(f"eval_fn scored {a.numel()} examples, and {b.numel()} before: a "
+                         "margin needs the same examples at every call")
+    if a.numel() < 2:
+        return math.inf
+    return float((a - b).std() / math.sqrt(a.numel()))
 
 
 class Extrapolator:
@@ -155,10 +179,12 @@ class Extrapolator:
     Args:
         params: tensors or ``(name, tensor)`` pairs to extrapolate (names matter only for a
             low-rank ``reference`` state dict and for geometry logs).
-        eval_fn: no arguments, returns a number; higher is better unless ``mode="min"``.
+        eval_fn: no arguments, returns a number, or one score per example (a 1-D tensor, list
+            or tuple: the score is their mean; ``margin`` needs these); higher is better unless
+            ``mode="min"``.
         optimizer: the optimizer stepping ``params``; needed by ``on_jump="reset"``.
         **options: the fields of ``ExtrapolationOptions`` (validated there): ``mode``,
-            ``min_improvement``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
+            ``min_improvement``, ``margin``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
             ``patience``, ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
             ``direction_rank``, ``on_jump``, ``reduce``/``process_group``, ``log_geometry``.
     """
@@ -182,6 +208,8 @@ class Extrapolator:
         self.eval_fn = eval_fn
         self.mode = o.mode
         self.min_improvement = float(o.min_improvement)
+        self.margin = float(o.margin)
+        self._examples: list[Tensor | None] = []  # this search's per-example scores, in order
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
         self.patience = o.patience
@@ -278,7 +306,15 @@ class Extrapolator:
     def _score(self, stacklevel: int = 3) -> float:
         """``eval_fn``'s score, reduced across ranks; warns when it is non-finite (``stacklevel``
         for ``warnings.warn``: callers one frame deeper than ``search`` pass one more)."""
-        raw = _to_score(self.eval_fn())
+        raw, per = _to_score(self.eval_fn())
+        if self.margin:
+            if per is None:
+                raise TypeError("margin > 0 needs eval_fn to return one score per example (a "
+                                "1-D tensor, list or tuple), got one number")
+            if distributed.is_distributed(self.process_group):
+                raise ValueError("margin > 0 needs every example's score in one process; it "
+                                 "does not run under torch.distributed yet")
+        self._examples.append(per)
         score = distributed.reduce_score(raw, self.reduce, self.process_group)
         if not math.isfinite(score):
             warnings.warn(
@@ -289,12 +325,19 @@ class Extrapolator:
             )
         return score
 
-    def _better(self, score: float, best: float) -> bool:
+    def _better(self, score: float, best: float, examples: tuple[Tensor, Tensor] | None = None
+                ) -> bool:
+        """Whether ``score`` beats ``best`` by more than ``min_improvement`` and, with a
+        ``margin``, by more than that many paired standard errors of their ``examples``."""
         if not math.isfinite(score):
             return False
         if self.mode == "max":
-            return score > best + self.min_improvement
-        return score < best - self.min_improvement
+            better = score > best + self.min_improvement
+        else:
+            better = score < best - self.min_improvement
+        if better and self.margin and examples is not None:
+            better = abs(score - best) > self.margin * _paired_standard_error(*examples)
+        return better
 
     def _base(self, i: int, backup: Sequence[Tensor], device: torch.device) -> Tensor:
         """The fp32 point candidates start from: ``W_t`` or the window average."""
@@ -399,6 +442,7 @@ class Extrapolator:
                                f"(patience={self.patience}) and its anchor was freed")
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
+        self._examples = []
         # Score W_t before the pass: it may write the first candidate into the weights.
         record.score_before = self._score()
         record.n_evals = 1
@@ -456,7 +500,7 @@ class Extrapolator:
         """Score the candidates in order into ``record`` until one fails to beat the best so
         far, then leave the weights at the accepted candidate (``W_t`` if none). ``written``:
         the pass already wrote the first candidate into the weights."""
-        best = record.score_before
+        best, best_examples = record.score_before, self._examples[0]
         for n, c in enumerate(coefficients):
             if n > 0 or not written:  # the pass wrote the first candidate already
                 norm = self.apply(c, backup, measure=projecting and n == 0)
@@ -466,9 +510,10 @@ class Extrapolator:
             record.n_evals += 1
             record.coefficients.append(c)
             record.scores.append(score)
-            if not self._better(score, best):
+            examples = self._examples[-1]
+            if not self._better(score, best, None if examples is None else (examples, best_examples)):
                 break
-            best, record.accepted = score, c
+            best, record.accepted, best_examples = score, c, examples
         if record.coefficients and record.coefficients[-1] != record.accepted:
             # Undo the rejected candidate exactly.
             if record.accepted is None:

@@ -16,8 +16,10 @@ scheduled step (``schedule``/``every``) the search
    weights). With ``direction_rank=r`` each 2-D ``Δ`` is cut to its top-r singular triplets;
 3. for each ``c`` in order (``coefficients``, ``max_candidates``) writes ``base + c·Δ`` and
    scores it, keeping it while it beats the best score so far by more than ``min_improvement``
-   (``mode="min"``: lower is better; a non-finite score never wins), and stops at the first
-   that does not;
+   (``mode="min"``: lower is better; a non-finite score never wins) and, with ``margin = z``,
+   by more than z standard errors of the mean of the per-example score differences (``eval_fn``
+   then returns one score per example, its mean the score), and stops at the first that does
+   not;
 4. puts back the best point (``W_t`` when no candidate won) and makes it the next anchor (for
    ``"averaged"`` with no winner: the window average). On a kept jump ``on_jump="reset"``
    empties the optimizer's state of the parameters.
@@ -107,7 +109,8 @@ class ReferenceExtrapolator:
     def search(self) -> Search:
         o, ps = self.o, self.params
         w_t = [p.clone() for p in ps]  # 1. score W_t and keep it
-        best = s0 = float(self.eval_fn())
+        s0, x0 = self._eval()
+        best, best_x = s0, x0
         base = self.avg if o.direction == "averaged" else [w.float() for w in w_t]
         full = [b - a for b, a in zip(base, self.anchor, strict=True)]  # 2. the direction Δ
         delta = full if o.direction_rank is None else [_top(d, o.direction_rank) for d in full]
@@ -118,14 +121,18 @@ class ReferenceExtrapolator:
         for c in cs:  # 3. candidates while they beat the best score
             for p, b, d in zip(ps, base, delta, strict=True):
                 p.copy_(torch.add(b, d, alpha=c))
-            s = float(self.eval_fn())
+            s, x = self._eval()
             tried.append(c)
             scores.append(s)
             better = s > best + o.min_improvement if o.mode == "max" else (
                 s < best - o.min_improvement)
+            if better and o.margin:  # the gain must stand out of the examples' noise
+                d = x - best_x
+                se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.inf
+                better = abs(s - best) > o.margin * se
             if not (math.isfinite(s) and better):
                 break
-            best, accepted = s, c
+            best, best_x, accepted = s, x, c
         for p, w, b, d in zip(ps, w_t, base, delta, strict=True):  # 4. the best point stays
             p.copy_(w if accepted is None else torch.add(b, d, alpha=accepted))
         new = base if accepted is None else [p.float() for p in ps]  # ... and is the anchor
@@ -138,6 +145,15 @@ class ReferenceExtrapolator:
                 self.optimizer.state.pop(p, None)
         self.history.append(Search(self.step, s0, tried, scores, accepted))
         return self.history[-1]
+
+    def _eval(self) -> tuple[float, Tensor | None]:
+        """The score, and the per-example scores when ``eval_fn`` gives them (the score is
+        then their mean, in float64)."""
+        v = self.eval_fn()
+        if isinstance(v, (list, tuple)) or isinstance(v, Tensor) and v.dim() == 1:
+            x = torch.as_tensor(v).detach().to("cpu", torch.float64)
+            return float(x.mean()), x
+        return float(v), None
 
     def _set_anchor(self, i: int, new: Tensor, delta: Tensor | None = None) -> None:
         """Make ``new`` (fp32) the anchor of parameter ``i``. ``delta``: ``new`` is

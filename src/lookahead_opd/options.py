@@ -71,6 +71,10 @@ class ExtrapolationOptions:
 
     mode: str = option("max", "the gate score is maximised or minimised", choices=("max", "min"))
     min_improvement: float = option(0.0, "a candidate must beat the best score by more than this")
+    margin: float = option(
+        0.0, "a candidate must also beat the best by more than this many standard errors of "
+        "the per-example differences (eval_fn returns one score per example, the same examples "
+        "at every call; 0: off)", minimum=0.0)
     schedule: ScheduleSpec = option(
         "powers_of_two", "search steps: powers_of_two, comma-separated steps, a Schedule or an "
         "iterable of steps", cli_type=str)
@@ -121,6 +125,9 @@ class ExtrapolationOptions:
             raise TypeError(f"min_improvement must be a number, got {m!r}")
         if not math.isfinite(m) or m < 0:
             raise ValueError(f"min_improvement must be finite and >= 0, got {m!r}")
+        z = self.margin
+        if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z):
+            raise ValueError(f"margin must be a finite number >= 0, got {z!r}")
         for name in ("direction_rank", "rank", "patience"):
             r = getattr(self, name)
             if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):

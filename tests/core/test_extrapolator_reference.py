@@ -64,6 +64,15 @@ class Problem:
         return sum(((p.float() - t).square() * a).sum()
                    for p, t, a in zip(params, target, self.scale, strict=True))
 
+    def val_examples(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The validation loss per example, whose mean is about ``loss(val=True)``: per input
+        row (mlp), or each weighted squared error times their count (quadratic)."""
+        if self.kind == "mlp":
+            return (self._mlp(params, self.x_val) - self.y_val).square().mean(dim=1)
+        terms = torch.cat([((p.float() - t).square() * a).flatten()
+                           for p, t, a in zip(params, self.target_val, self.scale, strict=True)])
+        return terms * terms.numel()
+
 
 shapes = st.lists(st.one_of(
     st.tuples(st.integers(1, 9)),
@@ -106,6 +115,7 @@ def options(draw, **fixed):
              patience=draw(st.sampled_from([None, None, 1, 2, 3])),
              direction_rank=draw(st.sampled_from([None, None, 1, 2])),
              on_jump=draw(st.sampled_from(["keep", "reset"])),
+             margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, 2.0])),
              offload=None)
     schedule = "fixed" if {"schedule", "every"} & set(fixed) else draw(
         st.sampled_from(["powers_of_two", "every", "steps"]))
@@ -138,6 +148,9 @@ def check(case: dict, opts: dict) -> list:
     def gate(params):
         def score():
             loss = float(problem.loss(params, val=True))
+            if opts.get("margin"):  # one score per example (a NaN one where the loss is high)
+                x = sign * problem.val_examples(params)
+                return x * math.nan if nan_above is not None and loss > nan_above else x
             return math.nan if nan_above is not None and loss > nan_above else sign * loss
         return score
 
@@ -187,6 +200,7 @@ FORCED = [
     dict(coefficients="geometric"), dict(coefficients="linear"),
     dict(coefficients=[0.5, 1.0, 3.0]), dict(coefficients=[0.25, 4.0], max_candidates=1),
     dict(max_candidates=1), dict(max_candidates=3), dict(min_improvement=1e-3),
+    dict(margin=0.5), dict(margin=2.0), dict(margin=1.0, min_improvement=1e-3),
     dict(mode="max"), dict(mode="min"), dict(patience=1), dict(patience=2),
     dict(direction="secant"), dict(direction="averaged"),
     dict(direction="averaged", coefficients=[0.0, 1.0, 2.0]),

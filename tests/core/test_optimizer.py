@@ -189,7 +189,7 @@ def test_non_finite_score_before_skips_the_candidates():
     assert opt.history[0].n_evals == 1 and opt.history[0].coefficients == []
 
 
-@pytest.mark.parametrize("bad", ["0.5", None, [1.0], torch.ones(2), True])
+@pytest.mark.parametrize("bad", ["0.5", None, [], ["a"], (1.0, True), torch.ones(2, 2), True])
 def test_non_numeric_score_is_a_type_error(bad):
     model = make_mlp(0)
     opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: bad)
@@ -268,6 +268,56 @@ def test_min_improvement_is_a_margin():
 
     assert run(0.0) == 4.0
     assert run(0.1) is None  # 0.05 does not beat 0.0 by more than 0.1
+
+
+def _search_once(eval_fn, **options):
+    """One search at step 1 of a tiny model, ``eval_fn`` its gate; the search's record."""
+    model = torch.nn.Linear(2, 1)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=eval_fn,
+                                 schedule=[1], **options)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    return opt.history[0]
+
+
+def test_per_example_scores_are_averaged_and_a_margin_refuses_a_gain_within_their_noise():
+    base = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    # candidate 1: +0.125 on average, one example of 8 flipped (paired SE 0.125); candidate 2:
+    # +0.25 on every example (SE 0)
+    answers = [base, base + torch.tensor([1.0, 0, 0, 0, 0, 0, 0, 0]), base + 0.25, base]
+
+    def gate(answers=answers):
+        it = iter(answers)
+        return lambda: next(it)
+
+    plain = _search_once(gate())
+    assert plain.score_before == 0.5 and plain.scores[:2] == [0.625, 0.75]
+    assert plain.accepted == 2.0  # both beat the best so far
+    # the first candidate's gain is one standard error: a margin of 2 refuses it
+    assert _search_once(gate(), margin=2.0).accepted is None
+    assert _search_once(gate(), margin=0.5).accepted == 2.0
+    # a gain of the same size on every example clears any margin
+    steady = [base, base + 0.125, base + 0.25, base]
+    assert _search_once(gate(steady), margin=50.0).accepted == 2.0
+    # lists work as tensors do, and min="min" mirrors max
+    assert _search_once(gate([x.tolist() for x in steady]), margin=50.0).accepted == 2.0
+    down = [-x for x in answers]
+    assert _search_once(gate(down), mode="min", margin=2.0).accepted is None
+    assert _search_once(gate(down), mode="min").accepted == 2.0
+
+
+def test_margin_needs_the_same_examples_at_every_call_and_says_so_in_one_line():
+    with pytest.raises(TypeError, match="margin > 0 needs eval_fn to return one score per ex"):
+        _search_once(lambda: 0.5, margin=1.0)
+    sizes = iter([torch.zeros(4), torch.ones(5)])
+    with pytest.raises(ValueError, match="scored 5 examples, and 4 before"):
+        _search_once(lambda: next(sizes), margin=1.0)
+    with pytest.raises(ValueError, match="margin must be >= 0"):
+        _search_once(lambda: 0.5, margin=-1.0)
+    with pytest.raises(TypeError, match="one real number per example"):
+        _search_once(lambda: ["a"])
+    # one score per example is a score with margin=0 too: their mean
+    assert _search_once(lambda: [0.25, 0.75], max_candidates=1).score_before == 0.5
 
 
 # ---------------------------------------------------------------- 3b. patience

@@ -265,3 +265,21 @@ def test_a_plain_run_needs_no_gate_split(tmp_path, tokenizer):
         t.gate_reverse_kl()
     with pytest.raises(ValueError, match=r"--eval_size 200 exceeds the \d+ test problems"):
         trainer(eval_size=200)
+
+
+@pytest.mark.parametrize("gate", ["neg_kl", "accuracy"])
+def test_a_margin_gates_on_one_score_per_gate_problem_with_the_same_mean(tmp_path, tokenizer,
+                                                                           gate):
+    """With ``margin`` the gate gives one score per gate problem, whose mean is the plain
+    gate's score (each rollout's share of the token-mean KL; each problem's 0/1), and the run
+    trains with it."""
+    t = _trainer(tmp_path, tokenizer, extrapolate=True, gate=gate, margin=1.0)
+    per = t.gate_score()
+    assert per.shape == (len(t.gate_problems),) and per.dtype == torch.float64
+    t.config.margin = 0.0
+    assert float(per.mean()) == pytest.approx(t.gate_score(), rel=1e-5, abs=1e-9)
+    if gate == "neg_kl":
+        assert len(set(per.tolist())) > 1  # rollouts differ: the margin has noise to read
+    t.config.margin = 1.0
+    result = t.train()
+    assert len(result.jumps) >= 2 and all(j["score_before"] is not None for j in result.jumps)

@@ -20,7 +20,7 @@ from .losses import TokenScores
 from .tasks import Problem, Task
 from .teacher import ModelTeacher, Teacher, TeacherNeeds
 
-__all__ = ["sequence_logits", "score_tokens", "greedy_accuracy", "model_accuracy",
+__all__ = ["sequence_logits", "score_tokens", "greedy_correct", "greedy_accuracy", "model_accuracy",
            "loss_chunk_rows",
            "AUTO_CHUNK_ROWS", "AUTO_CHUNK_ELEMENTS"]
 
@@ -69,11 +69,17 @@ def score_tokens(student: nn.Module, teacher: Teacher | nn.Module, sequences: to
                        temperature)
 
 
-def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:
-    """Exact-match accuracy of greedy completions generated through ``engine``."""
+def greedy_correct(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int
+                   ) -> list[bool]:
+    """Whether each problem's greedy completion, generated through ``engine``, is right."""
     rollout = engine.generate([p.prompt for p in problems], max_new_tokens=max_new_tokens,
                               temperature=0.0)
-    return sum(task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)) / len(problems)
+    return [task.is_correct(t, p) for t, p in zip(rollout.texts, problems, strict=True)]
+
+
+def greedy_accuracy(engine: Engine, task: Task, problems: list[Problem], max_new_tokens: int) -> float:
+    """Exact-match accuracy of greedy completions generated through ``engine``."""
+    return sum(greedy_correct(engine, task, problems, max_new_tokens)) / len(problems)
 
 
 def model_accuracy(model: nn.Module, tokenizer: Any, task: Task, problems: list[Problem], *,

@@ -60,7 +60,7 @@ from .metrics import MetricsLog
 from .optimizers import OptimizerFactory, build_optimizer, optimizer_kwargs
 from .ranks import Ranks
 from .routing import TeacherRouter
-from .scoring import greedy_accuracy, loss_chunk_rows, score_tokens
+from .scoring import greedy_accuracy, greedy_correct, loss_chunk_rows, score_tokens
 from .sharding import require_process_group, shard, train_top_blocks
 from .tasks import Problem, Task
 from .teacher import ModelTeacher, Teacher, TeacherNeeds, TeacherScores
@@ -294,8 +294,16 @@ class OPDTrainer:
         return self.engine
 
     # ------------------------------------------------------------------ scores
-    def gate_score(self) -> float:
-        """The EffOPD gate at the current weights: accuracy, or minus the reverse KL."""
+    def gate_score(self) -> float | torch.Tensor:
+        """The EffOPD gate at the current weights: accuracy, or minus the reverse KL. With a
+        ``margin`` one score per gate problem (their mean is the same score), so the search
+        can tell a gain from the noise of the gate set."""
+        if self.config.margin:
+            if self.config.gate == "accuracy":
+                return torch.tensor(greedy_correct(self.synced_engine(), self.task,
+                                                   self.gate_problems, self.max_new_tokens),
+                                    dtype=torch.float64)
+            return -self.gate_reverse_kl(per_sequence=True)
         if self.config.gate == "accuracy":
             return self._accuracy(self.gate_problems, across_ranks=False)  # the gate reduces
         return -self.gate_reverse_kl()
@@ -309,12 +317,14 @@ class OPDTrainer:
             return top
         return TeacherNeeds.FULL
 
-    def gate_reverse_kl(self) -> float:
+    def gate_reverse_kl(self, per_sequence: bool = False) -> float | torch.Tensor:
         """Mean reverse KL to the teacher on the fixed gate rollouts (sampled once, at the
         first call, teacher-forced afterwards: continuous, cheap): over the full vocabulary,
         or over the teacher's top-k and a tail bucket when it gives no more
         (``_gate_needs``). The teacher's scores of them are computed at the first call too;
-        each later call runs only the student."""
+        each later call runs only the student. ``per_sequence``: each rollout's share of the
+        token mean instead (its KL summed over its tokens, times rollouts / tokens: their
+        mean is the token mean)."""
         if self._gate_sequences is None:
             r = self.synced_engine().generate(
                 [p.prompt for p in self.gate_problems], max_new_tokens=self.max_new_tokens,
@@ -334,13 +344,22 @@ class OPDTrainer:
                 student = model_logits(self.student, g["sequences"], g["attention_mask"],
                                        self.vocab_size, chunk_size=self.loss_chunk_size)
                 mask = g["completion_mask"][:, 1:]
-                if needs.level == "full":
-                    return reverse_kl_loss(student, self._gate_teacher.full(),
-                                           mask).metrics["reverse_kl"]
-                return topk_reverse_kl_loss(student, self._gate_teacher.top(),
-                                            mask).metrics["topk_reverse_kl"]
+                if not per_sequence:
+                    return self._gate_kl(student, needs, mask)
+                rows = torch.eye(mask.shape[0], dtype=torch.bool, device=mask.device)
+                sums = torch.tensor([self._gate_kl(student, needs, mask * rows[b, :, None])
+                                     * float(mask[b].sum()) for b in range(mask.shape[0])],
+                                    dtype=torch.float64)
+                return sums * (mask.shape[0] / max(float(mask.sum()), 1.0))
         finally:
             self.student.train(was_training)
+
+    def _gate_kl(self, student: Any, needs: TeacherNeeds, mask: torch.Tensor) -> float:
+        """The gate's reverse KL per token over ``mask``'s tokens (0 where it has none)."""
+        if needs.level == "full":
+            return reverse_kl_loss(student, self._gate_teacher.full(), mask).metrics["reverse_kl"]
+        return topk_reverse_kl_loss(student, self._gate_teacher.top(),
+                                    mask).metrics["topk_reverse_kl"]
 
     def evaluate(self) -> float:
         """Greedy exact-match accuracy on the held-out eval set (of the EMA weights if any).
