@@ -283,3 +283,6 @@ def test_a_margin_gates_on_one_score_per_gate_problem_with_the_same_mean(tmp_pat
     t.config.margin = 1.0
     result = t.train()
     assert len(result.jumps) >= 2 and all(j["score_before"] is not None for j in result.jumps)
+    t.world = 2  # the per-problem scores are this rank's only: refused before step 0
+    with pytest.raises(ValueError, match="--margin needs one process"):
+        t._build_optimizer()

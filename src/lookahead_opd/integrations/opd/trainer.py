@@ -269,6 +269,9 @@ class OPDTrainer:
                                warmup=c.warmup_steps > 0, **optimizer_kwargs(c.optimizer_kwargs))
         if not c.extrapolate:
             return base
+        if c.margin and self.world > 1:  # the search reads every gate problem's score
+            raise ValueError(f"--margin needs one process (this run has {self.world}); its "
+                             "per-problem gate scores are not gathered across ranks yet")
         # gate="none": a score that rises at every call, so every candidate is kept (the fixed,
         # ungated jump of ExPO / AlphaRL-style baselines); it costs no evaluation.
         gate = self._timed_gate if c.gate != "none" else itertools.count().__next__
