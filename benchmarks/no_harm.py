@@ -74,6 +74,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # selection on a small gate: the forks' c = 2 at step 2 (1e-5) won on the gate and lost on
     # the held-out rollouts two steps later; ask for 2 paired standard errors of the gate set
     "margin": dict(margin=2.0),
+    # the gate's best at a tuned lr sits at the edge where the score turns (real_lm-full,
+    # 1e-5, step 1: c = 4 at −0.077, c = 8 at −0.194), while at 1e-6 every c up to 16
+    # improved: step back one candidate from the edge, and only where there is one
+    "back_off": dict(back_off=True),
 }
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that

@@ -9,7 +9,8 @@ After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
 3. tries ``W = base + c·Δ`` for each coefficient ``c`` in order (fp32 math, cast to the
    parameter dtype), keeping a candidate only while it beats the best score by more than
    ``min_improvement`` (and, with ``margin = z`` and per-example scores, by more than z
-   standard errors of the per-example differences), and stops at the first that does not;
+   standard errors of the per-example differences), and stops at the first that does not
+   (with ``back_off``, then keeping the candidate before the best);
 4. leaves the best weights in place bit-exactly and makes them the next anchor.
 
 The optimizer's state and step count are left alone unless ``on_jump="reset"``.
@@ -184,7 +185,7 @@ class Extrapolator:
             ``mode="min"``.
         optimizer: the optimizer stepping ``params``; needed by ``on_jump="reset"``.
         **options: the fields of ``ExtrapolationOptions`` (validated there): ``mode``,
-            ``min_improvement``, ``margin``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
+            ``min_improvement``, ``margin``, ``back_off``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
             ``patience``, ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
             ``direction_rank``, ``on_jump``, ``reduce``/``process_group``, ``log_geometry``.
     """
@@ -209,6 +210,7 @@ class Extrapolator:
         self.mode = o.mode
         self.min_improvement = float(o.min_improvement)
         self.margin = float(o.margin)
+        self.back_off = bool(o.back_off)
         self._examples: list[Tensor | None] = []  # this search's per-example scores, in order
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
@@ -501,6 +503,7 @@ class Extrapolator:
         far, then leave the weights at the accepted candidate (``W_t`` if none). ``written``:
         the pass already wrote the first candidate into the weights."""
         best, best_examples = record.score_before, self._examples[0]
+        kept: list[float] = []  # the candidates that beat the best so far, in order
         for n, c in enumerate(coefficients):
             if n > 0 or not written:  # the pass wrote the first candidate already
                 norm = self.apply(c, backup, measure=projecting and n == 0)
@@ -512,8 +515,11 @@ class Extrapolator:
             record.scores.append(score)
             examples = self._examples[-1]
             if not self._better(score, best, None if examples is None else (examples, best_examples)):
+                if self.back_off:  # the score turned: step back from its edge
+                    record.accepted = kept[-2] if len(kept) > 1 else None
                 break
             best, record.accepted, best_examples = score, c, examples
+            kept.append(c)
         if record.coefficients and record.coefficients[-1] != record.accepted:
             # Undo the rejected candidate exactly.
             if record.accepted is None:

@@ -19,7 +19,8 @@ scheduled step (``schedule``/``every``) the search
    (``mode="min"``: lower is better; a non-finite score never wins) and, with ``margin = z``,
    by more than z standard errors of the mean of the per-example score differences (``eval_fn``
    then returns one score per example, its mean the score), and stops at the first that does
-   not;
+   not; with ``back_off`` a stop keeps the candidate before the best (none if it was the
+   first);
 4. puts back the best point (``W_t`` when no candidate won) and makes it the next anchor (for
    ``"averaged"`` with no winner: the window average). On a kept jump ``on_jump="reset"``
    empties the optimizer's state of the parameters.
@@ -117,7 +118,7 @@ class ReferenceExtrapolator:
         cs = self.coefficients if math.isfinite(s0) else ()
         if o.direction == "averaged" and self.count <= 1:  # the average is W_t: c = 0 ties s0
             cs = tuple(c for c in cs if c != 0)
-        tried, scores, accepted = [], [], None
+        tried, scores, accepted, kept = [], [], None, []
         for c in cs:  # 3. candidates while they beat the best score
             for p, b, d in zip(ps, base, delta, strict=True):
                 p.copy_(torch.add(b, d, alpha=c))
@@ -131,8 +132,11 @@ class ReferenceExtrapolator:
                 se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.inf
                 better = abs(s - best) > o.margin * se
             if not (math.isfinite(s) and better):
+                if o.back_off:  # the score turned: keep the candidate before the best
+                    accepted = kept[-2] if len(kept) > 1 else None
                 break
             best, best_x, accepted = s, x, c
+            kept.append(c)
         for p, w, b, d in zip(ps, w_t, base, delta, strict=True):  # 4. the best point stays
             p.copy_(w if accepted is None else torch.add(b, d, alpha=accepted))
         new = base if accepted is None else [p.float() for p in ps]  # ... and is the anchor

@@ -75,6 +75,11 @@ class ExtrapolationOptions:
         0.0, "a candidate must also beat the best by more than this many standard errors of "
         "the per-example differences (eval_fn returns one score per example, the same examples "
         "at every call; 0: off)", minimum=0.0)
+    back_off: bool = option(
+        False, "when a candidate's score turns worse, keep the candidate before the best one "
+        "(W_t if the best was the first): the best lies near where the score turns, and an "
+        "overshoot of the gate's best costs the run later at a well-tuned lr (not when every "
+        "candidate improved)")
     schedule: ScheduleSpec = option(
         "powers_of_two", "search steps: powers_of_two, comma-separated steps, a Schedule or an "
         "iterable of steps", cli_type=str)

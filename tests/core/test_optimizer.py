@@ -306,6 +306,24 @@ def test_per_example_scores_are_averaged_and_a_margin_refuses_a_gain_within_thei
     assert _search_once(gate(down), mode="min").accepted == 2.0
 
 
+def test_back_off_keeps_the_candidate_before_the_best_once_the_score_turns():
+    def search(scores, **options):
+        it = iter(scores)
+        return _search_once(lambda: next(it), **options)
+
+    turned = [0.0, 0.05, 0.2, 0.3, 0.25]  # c = 1, 2, 4 better and better; 8 worse
+    assert search(turned).accepted == 4.0
+    assert search(turned, back_off=True).accepted == 2.0
+    # every candidate improved: no edge was seen, the best stays
+    rising = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    assert search(rising, back_off=True).accepted == 16.0
+    # the first candidate was the best: back to W_t; the first refused: W_t as without it
+    assert search([0.0, 0.1, 0.05], back_off=True).accepted is None
+    assert search([0.0, -0.1], back_off=True).accepted is None
+    # a non-finite score is a turn too
+    assert search([0.0, 0.1, 0.2, math.nan], back_off=True).accepted == 1.0
+
+
 def test_margin_needs_the_same_examples_at_every_call_and_says_so_in_one_line():
     with pytest.raises(TypeError, match="margin > 0 needs eval_fn to return one score per ex"):
         _search_once(lambda: 0.5, margin=1.0)
