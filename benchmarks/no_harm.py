@@ -434,6 +434,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     return {"forks": forks(a, results), "screen": screen(a, results),
             "replayed": replayed(a, results), "advice": advice(a, results),
             "rivals": rivals(a, results), "confirm": confirm(a, results),
+            "per_lr": per_lr(a, results),
             "hit_rate": hit_rate(a, results)}
 
 
@@ -547,6 +548,34 @@ def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
             "not compared.", "", verdict, ""]
 
 
+def per_lr(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per lr of the confirmation: plain, EffOPD as it was, the default, and Prodigy from that
+    lr (its d0), over the seeds made so far."""
+    names = ["plain", "effopd", *([a.default] if a.default not in (None, "effopd") else []),
+             "prodigy"]
+    return [{"lr": lr, "runs": {n: seeds_of(a, results, n, lr, lr) for n in names}}
+            for lr in a.confirm_lrs]
+
+
+def per_lr_lines(s: dict[str, Any]) -> list[str]:
+    """The README's table: one row per lr, each method's steps to 90% of the KL drop, KL at
+    the cap and seeds, means (min–max) over them."""
+    rows = s["per_lr"]
+    if not rows:
+        return ["Not run yet.", ""]
+    names = list(rows[0]["runs"])
+
+    def cell(r: dict[str, Any]) -> str:
+        if not r["seeds"]:
+            return "not run"
+        return (f"{spread(r['kl_steps_0.9'], '{:.0f}', 'unreached')} · "
+                f"{spread(r['final_kl'], '{:.4f}')} · n = {len(r['seeds'])}")
+    label = {"plain": "plain", "effopd": "EffOPD (before)", "prodigy": "Prodigy (d0 = lr)"}
+    return [markdown_table(["lr", *(label.get(n, f"EffOPD, `{n}`") for n in names)],
+                           [[f"{r['lr']:g}", *(cell(r["runs"][n]) for n in names)]
+                            for r in rows]), ""]
+
+
 def hit_lines(s: dict[str, Any]) -> list[str]:
     h = s["hit_rate"]
     if not h["runs"]:
@@ -588,6 +617,9 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         *seeds_table(s["rivals"], f"plain at {plain_best(a):g}"),
         "## The confirmation", "",
         *confirm_lines(a, s),
+        "## Per lr: steps to 90% of the KL drop · KL at the cap · seeds", "",
+        "Means (min–max) over the seeds; 'unreached': not within the steps.", "",
+        *per_lr_lines(s),
         "## What summary() reads", "",
         *hit_lines(s),
     ])
