@@ -77,7 +77,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the gate's best at a tuned lr sits at the edge where the score turns (real_lm-full,
     # 1e-5, step 1: c = 4 at −0.077, c = 8 at −0.194), while at 1e-6 every c up to 16
     # improved: step back one candidate from the edge, and only where there is one
-    "back_off": dict(back_off=True),
+    "back_off": dict(back_off=1),
+    # late kept 1e-5 whole and 1e-6's gain (KL at the cap 0.32× plain) but slower than the
+    # early jumps; back_off 1 still kept c = 2 at 1e-5's step 1: keep a jump only from a
+    # ladder that never turned (every c up to 16 better: only a too-small lr gives that)
+    "untuned_only": dict(back_off=8),
 }
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that

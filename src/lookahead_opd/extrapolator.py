@@ -10,7 +10,7 @@ After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
    parameter dtype), keeping a candidate only while it beats the best score by more than
    ``min_improvement`` (and, with ``margin = z`` and per-example scores, by more than z
    standard errors of the per-example differences), and stops at the first that does not
-   (with ``back_off``, then keeping the candidate before the best);
+   (with ``back_off = k``, then keeping the candidate k before the best);
 4. leaves the best weights in place bit-exactly and makes them the next anchor.
 
 The optimizer's state and step count are left alone unless ``on_jump="reset"``.
@@ -210,7 +210,7 @@ class Extrapolator:
         self.mode = o.mode
         self.min_improvement = float(o.min_improvement)
         self.margin = float(o.margin)
-        self.back_off = bool(o.back_off)
+        self.back_off = int(o.back_off)
         self._examples: list[Tensor | None] = []  # this search's per-example scores, in order
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
@@ -516,7 +516,8 @@ class Extrapolator:
             examples = self._examples[-1]
             if not self._better(score, best, None if examples is None else (examples, best_examples)):
                 if self.back_off:  # the score turned: step back from its edge
-                    record.accepted = kept[-2] if len(kept) > 1 else None
+                    b = self.back_off
+                    record.accepted = kept[-1 - b] if len(kept) > b else None
                 break
             best, record.accepted, best_examples = score, c, examples
             kept.append(c)

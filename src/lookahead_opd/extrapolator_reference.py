@@ -19,8 +19,8 @@ scheduled step (``schedule``/``every``) the search
    (``mode="min"``: lower is better; a non-finite score never wins) and, with ``margin = z``,
    by more than z standard errors of the mean of the per-example score differences (``eval_fn``
    then returns one score per example, its mean the score), and stops at the first that does
-   not; with ``back_off`` a stop keeps the candidate before the best (none if it was the
-   first);
+   not; with ``back_off = k`` a stop keeps the candidate k before the best (none if there
+   are not k before it);
 4. puts back the best point (``W_t`` when no candidate won) and makes it the next anchor (for
    ``"averaged"`` with no winner: the window average). On a kept jump ``on_jump="reset"``
    empties the optimizer's state of the parameters.
@@ -132,8 +132,8 @@ class ReferenceExtrapolator:
                 se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else math.inf
                 better = abs(s - best) > o.margin * se
             if not (math.isfinite(s) and better):
-                if o.back_off:  # the score turned: keep the candidate before the best
-                    accepted = kept[-2] if len(kept) > 1 else None
+                if o.back_off:  # the score turned: keep the candidate back_off before the best
+                    accepted = kept[-1 - o.back_off] if len(kept) > o.back_off else None
                 break
             best, best_x, accepted = s, x, c
             kept.append(c)

@@ -75,11 +75,11 @@ class ExtrapolationOptions:
         0.0, "a candidate must also beat the best by more than this many standard errors of "
         "the per-example differences (eval_fn returns one score per example, the same examples "
         "at every call; 0: off)", minimum=0.0)
-    back_off: bool = option(
-        False, "when a candidate's score turns worse, keep the candidate before the best one "
-        "(W_t if the best was the first): the best lies near where the score turns, and an "
-        "overshoot of the gate's best costs the run later at a well-tuned lr (not when every "
-        "candidate improved)")
+    back_off: int = option(
+        0, "when a candidate's score turns worse, keep the candidate this many before the best "
+        "(W_t when there are not that many): the best lies near where the score turns, and an "
+        "overshoot of the gate's best costs the run later at a well-tuned lr; nothing changes "
+        "when every candidate improved (0: off)", minimum=0)
     schedule: ScheduleSpec = option(
         "powers_of_two", "search steps: powers_of_two, comma-separated steps, a Schedule or an "
         "iterable of steps", cli_type=str)
@@ -133,6 +133,9 @@ class ExtrapolationOptions:
         z = self.margin
         if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z):
             raise ValueError(f"margin must be a finite number >= 0, got {z!r}")
+        b = self.back_off
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise ValueError(f"back_off must be an int >= 0 (candidates to step back), got {b!r}")
         for name in ("direction_rank", "rank", "patience"):
             r = getattr(self, name)
             if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):

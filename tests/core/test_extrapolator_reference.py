@@ -116,7 +116,7 @@ def options(draw, **fixed):
              direction_rank=draw(st.sampled_from([None, None, 1, 2])),
              on_jump=draw(st.sampled_from(["keep", "reset"])),
              margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, 2.0])),
-             back_off=draw(st.booleans()),
+             back_off=draw(st.sampled_from([0, 0, 1, 2, 9])),
              offload=None)
     schedule = "fixed" if {"schedule", "every"} & set(fixed) else draw(
         st.sampled_from(["powers_of_two", "every", "steps"]))
@@ -202,8 +202,8 @@ FORCED = [
     dict(coefficients=[0.5, 1.0, 3.0]), dict(coefficients=[0.25, 4.0], max_candidates=1),
     dict(max_candidates=1), dict(max_candidates=3), dict(min_improvement=1e-3),
     dict(margin=0.5), dict(margin=2.0), dict(margin=1.0, min_improvement=1e-3),
-    dict(back_off=True), dict(back_off=True, coefficients="linear"),
-    dict(back_off=True, direction="averaged"), dict(back_off=True, direction_rank=1),
+    dict(back_off=1), dict(back_off=2), dict(back_off=9), dict(back_off=1, coefficients="linear"),
+    dict(back_off=1, direction="averaged"), dict(back_off=2, direction_rank=1),
     dict(mode="max"), dict(mode="min"), dict(patience=1), dict(patience=2),
     dict(direction="secant"), dict(direction="averaged"),
     dict(direction="averaged", coefficients=[0.0, 1.0, 2.0]),

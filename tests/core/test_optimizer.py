@@ -313,15 +313,22 @@ def test_back_off_keeps_the_candidate_before_the_best_once_the_score_turns():
 
     turned = [0.0, 0.05, 0.2, 0.3, 0.25]  # c = 1, 2, 4 better and better; 8 worse
     assert search(turned).accepted == 4.0
-    assert search(turned, back_off=True).accepted == 2.0
+    assert search(turned, back_off=1).accepted == 2.0
     # every candidate improved: no edge was seen, the best stays
     rising = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
-    assert search(rising, back_off=True).accepted == 16.0
+    assert search(rising, back_off=1).accepted == 16.0
     # the first candidate was the best: back to W_t; the first refused: W_t as without it
-    assert search([0.0, 0.1, 0.05], back_off=True).accepted is None
-    assert search([0.0, -0.1], back_off=True).accepted is None
+    assert search([0.0, 0.1, 0.05], back_off=1).accepted is None
+    assert search([0.0, -0.1], back_off=1).accepted is None
     # a non-finite score is a turn too
-    assert search([0.0, 0.1, 0.2, math.nan], back_off=True).accepted == 1.0
+    assert search([0.0, 0.1, 0.2, math.nan], back_off=1).accepted == 1.0
+    # k candidates back; more than there are: W_t, so a jump stays only from a ladder that
+    # never turned
+    assert search(turned, back_off=2).accepted == 1.0
+    assert search(turned, back_off=9).accepted is None
+    assert search(rising, back_off=9).accepted == 16.0
+    with pytest.raises(ValueError, match="back_off must be"):
+        search(turned, back_off=True)
 
 
 def test_margin_needs_the_same_examples_at_every_call_and_says_so_in_one_line():
