@@ -82,6 +82,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # early jumps; back_off 1 still kept c = 2 at 1e-5's step 1: keep a jump only from a
     # ladder that never turned (every c up to 16 better: only a too-small lr gives that)
     "untuned_only": dict(back_off=8),
+    # reset alone ended 1e-5 below plain (KL at the cap 0.80×) after the same c = 4 jump: the
+    # optimizer's state, not the jump alone, carried the cost; with the smaller jump too
+    "reset+back_off": dict(on_jump="reset", back_off=1),
 }
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that
