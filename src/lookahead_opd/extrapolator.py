@@ -211,7 +211,6 @@ class Extrapolator:
         self.min_improvement = float(o.min_improvement)
         self.margin = float(o.margin)
         self.back_off = int(o.back_off)
-        self._examples: list[Tensor | None] = []  # this search's per-example scores, in order
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
         self.patience = o.patience
@@ -305,9 +304,10 @@ class Extrapolator:
         for avg, p in zip(self._averages, self._local(), strict=False):
             avg.lerp_(p.to(avg.device, torch.float32), w)
 
-    def _score(self, stacklevel: int = 3) -> float:
-        """``eval_fn``'s score, reduced across ranks; warns when it is non-finite (``stacklevel``
-        for ``warnings.warn``: callers one frame deeper than ``search`` pass one more)."""
+    def _score(self, stacklevel: int = 3) -> tuple[float, Tensor | None]:
+        """``eval_fn``'s score, reduced across ranks, and its per-example scores (None when it
+        gave one number); warns when the score is non-finite (``stacklevel`` for
+        ``warnings.warn``: callers one frame deeper than ``search`` pass one more)."""
         raw, per = _to_score(self.eval_fn())
         if self.margin:
             if per is None:
@@ -316,7 +316,6 @@ class Extrapolator:
             if distributed.is_distributed(self.process_group):
                 raise ValueError("margin > 0 needs every example's score in one process; it "
                                  "does not run under torch.distributed yet")
-        self._examples.append(per)
         score = distributed.reduce_score(raw, self.reduce, self.process_group)
         if not math.isfinite(score):
             warnings.warn(
@@ -325,10 +324,10 @@ class Extrapolator:
                 RuntimeWarning,
                 stacklevel=stacklevel,
             )
-        return score
+        return score, per
 
-    def _better(self, score: float, best: float, examples: tuple[Tensor, Tensor] | None = None
-                ) -> bool:
+    def _better(self, score: float, best: float, examples: Tensor | None,
+                best_examples: Tensor | None) -> bool:
         """Whether ``score`` beats ``best`` by more than ``min_improvement`` and, with a
         ``margin``, by more than that many paired standard errors of their ``examples``."""
         if not math.isfinite(score):
@@ -337,8 +336,9 @@ class Extrapolator:
             better = score > best + self.min_improvement
         else:
             better = score < best - self.min_improvement
-        if better and self.margin and examples is not None:
-            better = abs(score - best) > self.margin * _paired_standard_error(*examples)
+        if better and self.margin:  # _score made sure both are there
+            better = abs(score - best) > self.margin * _paired_standard_error(examples,
+                                                                             best_examples)
         return better
 
     def _base(self, i: int, backup: Sequence[Tensor], device: torch.device) -> Tensor:
@@ -444,9 +444,8 @@ class Extrapolator:
                                f"(patience={self.patience}) and its anchor was freed")
         start = time.perf_counter()
         record = JumpRecord(step=self.step_count, score_before=math.nan)
-        self._examples = []
         # Score W_t before the pass: it may write the first candidate into the weights.
-        record.score_before = self._score()
+        record.score_before, examples = self._score()
         record.n_evals = 1
         coefficients = self._schedule(record.score_before)
         projecting = bool(coefficients) and self.direction_rank is not None
@@ -460,7 +459,7 @@ class Extrapolator:
                 record.geometry = self._geometry(backup)
             if projecting:
                 self._projected = self._project(backup)
-            self._try_candidates(record, coefficients, backup,
+            self._try_candidates(record, coefficients, backup, examples,
                                  written=first is not None, projecting=projecting)
         except BaseException:
             self._projected = None
@@ -498,23 +497,24 @@ class Extrapolator:
         return coefficients
 
     def _try_candidates(self, record: JumpRecord, coefficients: Sequence[float],
-                        backup: Sequence[Tensor], *, written: bool, projecting: bool) -> None:
+                        backup: Sequence[Tensor], best_examples: Tensor | None, *,
+                        written: bool, projecting: bool) -> None:
         """Score the candidates in order into ``record`` until one fails to beat the best so
         far, then leave the weights at the accepted candidate (``W_t`` if none). ``written``:
-        the pass already wrote the first candidate into the weights."""
-        best, best_examples = record.score_before, self._examples[0]
+        the pass already wrote the first candidate into the weights; ``best_examples``: the
+        per-example scores of ``W_t``."""
+        best = record.score_before
         kept: list[float] = []  # the candidates that beat the best so far, in order
         for n, c in enumerate(coefficients):
             if n > 0 or not written:  # the pass wrote the first candidate already
                 norm = self.apply(c, backup, measure=projecting and n == 0)
                 if projecting and n == 0:  # the projection shrinks ‖Δ‖
                     record.direction_norm = norm
-            score = self._score(stacklevel=4)
+            score, examples = self._score(stacklevel=4)
             record.n_evals += 1
             record.coefficients.append(c)
             record.scores.append(score)
-            examples = self._examples[-1]
-            if not self._better(score, best, None if examples is None else (examples, best_examples)):
+            if not self._better(score, best, examples, best_examples):
                 if self.back_off:  # the score turned: step back from its edge
                     b = self.back_off
                     record.accepted = kept[-1 - b] if len(kept) > b else None
