@@ -531,9 +531,23 @@ def condition_stats(d: dict[str, list[float]]) -> dict[str, Any]:
             "bytes_per_step": stats(d["bytes"])}
 
 
-def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
+def served_steps(a: argparse.Namespace, student_dir: Path, teacher_dir: Path, work: Path,
+                 conditions: dict[str, dict[str, Any]], server_args: list[str]
+                 ) -> tuple[dict[str, dict[str, list]], float]:
+    """The teacher behind ``vllm serve`` (``server_args``) for as long as every condition's
+    trainer takes its timed steps (``timed_steps``); their raw numbers and the wall seconds."""
     from lookahead_opd.testing.vllm_server import VLLMServer
 
+    t_start = time.perf_counter()
+    with VLLMServer(teacher_dir, args=server_args, log=work / "serve.log") as server:
+        trainers = step_trainers(a, server, student_dir, teacher_dir, work, conditions)
+        raw = timed_steps(a, trainers)
+        for t in trainers.values():
+            t.teacher_scorer.close()
+    return raw, time.perf_counter() - t_start
+
+
+def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
     work = Path(tempfile.mkdtemp(prefix="teacher-server-"))
     if a.student and a.teacher:
         student_dir, teacher_dir = Path(a.student), Path(a.teacher)
@@ -543,16 +557,10 @@ def measure_teacher_server(a: argparse.Namespace, store: harness.Store, ctx: Any
     conditions = {"in-process": {"served": False},
                   **{f"served, inflight {k}": {"served": True, "teacher_max_inflight": k}
                      for k in a.inflight}}
-    t_start = time.perf_counter()
-    with VLLMServer(teacher_dir, args=SERVER_ARGS, log=work / "serve.log") as server:
-        trainers = step_trainers(a, server, student_dir, teacher_dir, work, conditions)
-        raw = timed_steps(a, trainers)
-        for t in trainers.values():
-            t.teacher_scorer.close()
-    res = store.data
-    res.update(models=models, batch=a.step_batch, steps=a.steps, inflight=a.inflight,
-               server_args=SERVER_ARGS, wall_s=time.perf_counter() - t_start,
-               conditions={cond: condition_stats(d) for cond, d in raw.items()})
+    raw, wall_s = served_steps(a, student_dir, teacher_dir, work, conditions, SERVER_ARGS)
+    store.data.update(models=models, batch=a.step_batch, steps=a.steps, inflight=a.inflight,
+                      server_args=SERVER_ARGS, wall_s=wall_s,
+                      conditions={cond: condition_stats(d) for cond, d in raw.items()})
 
 
 def teacher_server_report(a: argparse.Namespace, res: dict[str, Any]) -> str:
@@ -598,22 +606,14 @@ def topk_conditions(a: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def measure_topk(a: argparse.Namespace, store: harness.Store, ctx: Any) -> None:
-    from lookahead_opd.testing.vllm_server import VLLMServer
-
     work = Path(tempfile.mkdtemp(prefix="teacher-topk-"))
     student_dir, teacher_dir, models = topk_models(a, work)
     conditions = topk_conditions(a)
     args = [*SERVER_ARGS, "--max-logprobs", str(max(a.topk_ks))]
     args[args.index("--max-model-len") + 1] = str(TOPK_CONTEXT)
-    t_start = time.perf_counter()
-    with VLLMServer(teacher_dir, args=args, log=work / "serve.log") as server:
-        trainers = step_trainers(a, server, student_dir, teacher_dir, work, conditions)
-        raw = timed_steps(a, trainers)
-        for t in trainers.values():
-            t.teacher_scorer.close()
+    raw, wall_s = served_steps(a, student_dir, teacher_dir, work, conditions, args)
     store.data.update(models=models, batch=a.step_batch, steps=a.steps, server_args=args,
-                      new_tokens=a.topk_new_tokens, inflight=a.inflight[1],
-                      wall_s=time.perf_counter() - t_start,
+                      new_tokens=a.topk_new_tokens, inflight=a.inflight[1], wall_s=wall_s,
                       conditions={cond: {"spec": conditions[cond], **condition_stats(d)}
                                   for cond, d in raw.items()})
 
