@@ -5,8 +5,8 @@ own questions (which runs, what to compare, the report).
   ``Pairs``, which loads each zoo pair once — from ``benchmarks/zoo``, the committed pairs, or
   the package's shipped pairs (``zoo.SHIPPED_PAIRS``), so a study reproduces on another machine
   instead of rebuilding a different pair;
-- ``opd_config``: an ``OPDConfig`` with the studies' defaults (full-vocabulary reverse KL, no
-  progress bar, a scratch output folder per run);
+- ``opd_config``: an ``OPDConfig`` with the studies' defaults (full-vocabulary reverse KL, the
+  search as the studies ran it, no progress bar, a scratch output folder per run);
 - ``run``: one OPD run through ``run_variant``, with its training clock, its gate accounting and
   its searches, a crash or a time limit kept as a partial record instead of an exception;
 - ``SecantProbe``: the eval curve, the clock and the secant cosine of the path at the search
@@ -46,6 +46,10 @@ ZOO = Path(__file__).resolve().parent / "zoo"  # the committed pairs (a zoo cach
 LOSS = "reverse_kl"  # every study's loss unless it asks for another
 # EffOPD as the studies run it: −reverse-KL gate on 128 fixed rollouts, geometric c.
 EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geometric")
+# The search's options as every study here ran them before the no-harm study (issue 38) changed
+# the library's defaults: each study's runs keep their meaning, and a report regenerates from a
+# resumed json. A study's own fields override them (no_harm's variants do).
+AS_RUN = dict(back_off=0, patience=None)
 FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
 # What a run record keeps of each search (``JumpRecord``): enough to replay the gate's bill.
 JUMP_KEYS = ("step", "score_before", "accepted", "coefficients", "scores", "n_evals", "seconds",
@@ -256,13 +260,13 @@ def base_and_targets(results: dict[str, Any], pairs: Pairs, cell: dict[str, Any]
 
 
 def opd_config(study: str, name: str, **fields: Any) -> Any:
-    """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, no progress bar, and the
+    """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, ``AS_RUN``, no progress bar, and the
     scratch folder ``/tmp/lookahead-opd-<study>/<name>``; validated here, so that a bad option
     (or an optimizer not installed) stops the study instead of reading as a crashed run."""
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.train import check_run
 
-    config = OPDConfig(**{"loss": LOSS, "progress": False,
+    config = OPDConfig(**{"loss": LOSS, "progress": False, **AS_RUN,
                           "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
     check_run(config, check_paths=False)
     return config

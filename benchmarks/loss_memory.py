@@ -160,7 +160,7 @@ def zoo_comparison(steps: int, chunk: int) -> dict[str, Any]:
                            overwrite_output_dir=True, max_steps=steps, batch_size=64,
                            learning_rate=1e-3, loss="reverse_kl", extrapolate=True,
                            gate="neg_kl", gate_size=50, eval_every=steps // 2, eval_size=200,
-                           progress=False, seed=0, loss_chunk_size=size)
+                           progress=False, seed=0, loss_chunk_size=size, **harness.AS_RUN)
         engine = HFEngine(student, tok, batch_size=256)
         t0 = time.perf_counter()
         result = OPDTrainer(config, student, teacher, load_task("arithmetic"), engine,

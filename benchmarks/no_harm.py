@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness, real_lm
+from benchmarks import harness, real_lm, searches
 from benchmarks.common import markdown_table, previous_results
 from benchmarks.harness import EFFOPD
 
@@ -405,6 +405,22 @@ def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, An
     return out
 
 
+def patience(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Item 5: per lr of the confirmation, the default's runs replayed at each ``patience`` k
+    (``searches.replay_row``): a refused search leaves the weights as they were, so a stop
+    that loses no kept jump leaves the run as it was, less the skipped searches' seconds."""
+    if not a.default or a.default == "plain":
+        return []
+    out = []
+    for lr in a.confirm_lrs:
+        runs = [searches.replay_record(r, r["jumps"]) for s in a.seeds
+                if (r := find_run(a, results, a.default, lr, s)) and r["jumps"]]
+        if runs:
+            out.append({"lr": lr, "rows": [searches.replay_row(runs, k)
+                                           for k in searches.PATIENCES]})
+    return out
+
+
 def hit_rate(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     """How often ``summary()``'s reading (``extra_distance`` > ``TOO_SMALL``: the lr may be too
     small) agrees with the truth (the lr is below plain's best), over every EffOPD run with a
@@ -441,7 +457,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     return {"forks": forks(a, results), "screen": screen(a, results),
             "replayed": replayed(a, results), "advice": advice(a, results),
             "rivals": rivals(a, results), "confirm": confirm(a, results),
-            "per_lr": per_lr(a, results),
+            "patience": patience(a, results), "per_lr": per_lr(a, results),
             "hit_rate": hit_rate(a, results)}
 
 
@@ -555,6 +571,26 @@ def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
             "not compared.", "", verdict, ""]
 
 
+def patience_lines(s: dict[str, Any]) -> list[str]:
+    lrs = s.get("patience") or []
+    if not lrs:
+        return ["Not run yet: it replays the confirmation's runs.", ""]
+
+    def cell(r: dict[str, Any]) -> str:
+        return (f"{_n(r['gate_share'], '{:.1%}')} → {_n(r['gate_share_after'], '{:.1%}')}; "
+                f"{r['skipped']} of {r['searches']} searches, {r['lost']} kept lost")
+    ks = [r["patience"] for r in lrs[0]["rows"]]
+    body = [[k, *(cell(x["rows"][i]) for x in lrs)] for i, k in enumerate(ks)]
+    pays = [k for i, k in enumerate(ks) if all(x["rows"][i]["lost"] == 0 for x in lrs)]
+    return ["Each run of the default replayed as if it had stopped searching after k refused "
+            "searches in a row: the gate's share of the clock at the cap, all searches → with "
+            "the stop, over the seeds made; a stop that loses no kept jump leaves the run as "
+            "it was.", "",
+            markdown_table(["patience k", *(f"{x['lr']:g}" for x in lrs)], body), "",
+            f"The smallest k that lost no kept jump at any lr: {pays[0]}." if pays else
+            "Every k lost a kept jump somewhere: a stop would change the runs.", ""]
+
+
 def per_lr(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
     """Per lr of the confirmation: plain, EffOPD as it was, the default, and Prodigy from that
     lr (its d0), over the seeds made so far."""
@@ -624,6 +660,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         *seeds_table(s["rivals"], f"plain at {plain_best(a):g}"),
         "## The confirmation", "",
         *confirm_lines(a, s),
+        "## Stopping the searches (patience)", "",
+        *patience_lines(s),
         "## Per lr: steps to 90% of the KL drop · KL at the cap · seeds", "",
         "Means (min–max) over the seeds; 'unreached': not within the steps.", "",
         *per_lr_lines(s),

@@ -313,11 +313,17 @@ def recorded_runs(a: argparse.Namespace, results_dir: Path) -> Iterator[dict[str
             gate = gate_kind(options)
             if gate is None or not searches:
                 continue
-            clock = harness.train_clock(run)
-            yield {"source": name, "gate": gate, "gate_seconds": run["gate_seconds"],
-                   "gate_evals": run.get("gate_evals") or sum(_evals(s) for s in searches),
-                   "clock": clock if clock is not None else run["wall_seconds"],
-                   "searches": [(s["accepted"] is not None, _evals(s)) for s in searches]}
+            yield {"source": name, "gate": gate, **replay_record(run, searches)}
+
+
+def replay_record(run: dict[str, Any], searches: list[dict[str, Any]]) -> dict[str, Any]:
+    """What ``replay_row`` reads of a run: its searches as (kept, gate evaluations), its gate
+    seconds and evaluations, and its training clock (its wall clock when it records none)."""
+    clock = harness.train_clock(run)
+    return {"gate_seconds": run["gate_seconds"],
+            "gate_evals": run.get("gate_evals") or sum(_evals(s) for s in searches),
+            "clock": clock if clock is not None else run["wall_seconds"],
+            "searches": [(s["accepted"] is not None, _evals(s)) for s in searches]}
 
 
 def _evals(search: dict[str, Any]) -> int:

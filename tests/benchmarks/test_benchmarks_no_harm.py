@@ -58,6 +58,12 @@ def test_rivals_and_confirmation_make_each_run_once_and_prodigy_takes_the_advice
     assert runs["rival|effopd(prodigy)|0.001|0"]["options"]["extrapolate"] is True
     (confirmed,) = results["summary"]["confirm"]
     assert confirmed["seeds"] == [0, 1] and confirmed["complete"]
+    # the patience replay reads the default's runs, the screen's seed 0 and the rival's seed 1
+    (replayed,) = results["summary"]["patience"]
+    searched = [runs[k]["jumps"] for k in ("screen|lr_follow|0.001|0", "rival|lr_follow|0.001|1")]
+    for row in replayed["rows"]:
+        assert row["runs"] == 2 and row["searches"] == sum(map(len, searched))
+        assert row["gate_share_after"] <= row["gate_share"]
     md = (tmp_path / "no_harm-smoke.md").read_text()
     assert "Picked: `" in md and "**Verdict:** `lr_follow`" in md
     assert no_harm.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
