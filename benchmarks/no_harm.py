@@ -85,6 +85,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # reset alone ended 1e-5 below plain (KL at the cap 0.80×) after the same c = 4 jump: the
     # optimizer's state, not the jump alone, carried the cost; with the smaller jump too
     "reset+back_off": dict(on_jump="reset", back_off=1),
+    # untuned_only at 3e-6 (confirmation, seed 0) kept one jump, c = 16 at step 1 from a ladder
+    # that never turned, led plain until step 25 and ended 1.31x its KL: is it Adam's moments
+    # from before the jump? Where nothing is kept (1e-5, 3e-5) this run is untuned_only's.
+    "reset+untuned_only": dict(on_jump="reset", back_off=8),
 }
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that
