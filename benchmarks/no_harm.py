@@ -664,6 +664,7 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         *seeds_table(s["rivals"], f"plain at {plain_best(a):g}"),
         "## The confirmation", "",
         *confirm_lines(a, s),
+        f"![seed 0's held-out KL per lr]({a.stem}.png)", "",
         "## Stopping the searches (patience)", "",
         *patience_lines(s),
         "## Per lr: steps to 90% of the KL drop · KL at the cap · seeds", "",
@@ -672,6 +673,43 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "## What summary() reads", "",
         *hit_lines(s),
     ])
+
+
+def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    """One panel per lr of the confirmation: seed 0's held-out KL of plain, EffOPD as it was
+    and every variant run there (the default bold), each labelled with the c it kept: where a
+    kept jump leads early and trails later is seen at a glance."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["plain", "effopd", *VARIANTS]
+    # one colour per variant in every panel; plain drawn thin on top, so that a default that
+    # kept nothing (and so is plain) shows as plain inside a wider line
+    palette = [c for c in plt.get_cmap("tab20").colors[::2] if c != plt.get_cmap("tab10")(3)]
+    colour = {n: palette[i % len(palette)] for i, n in enumerate(VARIANTS)}
+    panels = [(lr, [(n, r) for n in names if (r := find_run(a, results, n, lr, 0))])
+              for lr in a.confirm_lrs]
+    panels = [(lr, runs) for lr, runs in panels if runs]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
+    for ax, (lr, runs) in zip(axes[0], panels, strict=True):
+        for n, r in runs:
+            kept = ", ".join(f"{j['accepted']:g}" for j in r["jumps"] if j["accepted"] is not None)
+            style = ({"color": "black", "lw": 1.2, "zorder": 5} if n == "plain" else
+                     {"color": "tab:red", "lw": 2, "ls": "--"} if n == "effopd" else
+                     {"color": colour[n], "lw": 3.5 if n == a.default else 1.2})
+            label = {"plain": "plain", "effopd": "EffOPD (before)"}.get(n, n)
+            ax.plot(*zip(*r["kl"], strict=True), label=f"{label}" + (f" (c: {kept})" if kept else ""),
+                    **style)
+        ax.set(title=f"lr {lr:g}", xlabel="step", yscale="log")
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("held-out reverse KL to the teacher (seed 0)")
+    fig.tight_layout()
+    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
+    plt.close(fig)
 
 
 def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[Any, ...]:
@@ -697,7 +735,7 @@ STUDY = harness.Study(
     configure=configure,
     report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size",
                     "default"),
-    prepare=prepare, jobs=lambda a, store, ctx: jobs(a, store.data),
+    prepare=prepare, plot=plot, jobs=lambda a, store, ctx: jobs(a, store.data),
     run=lambda a, ctx, job: run_one(a, *ctx, *job), summarize=summarize)
 main = STUDY.main
 
