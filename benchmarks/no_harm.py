@@ -90,6 +90,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # from before the jump? Where nothing is kept (1e-5, 3e-5) this run is untuned_only's.
     "reset+untuned_only": dict(on_jump="reset", back_off=8),
 }
+# A variant that adds on_jump="reset" to another: where the other kept no jump, the reset never
+# acted and the runs are the same run (runs are a fixed function of the seed), made once.
+RESET_TWINS = {"reset": "effopd", "reset+back_off": "back_off",
+               "reset+untuned_only": "untuned_only"}
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that
 # the lr is too small (real_lm-full, seed 0: 5.17 at 1e-6, 0.59 at 1e-5)
@@ -168,8 +172,13 @@ def find_run(a: argparse.Namespace, results: dict[str, Any], name: str, lr: floa
     name = RIVAL_NAMES.get(name, name)
     if name in ("plain", "effopd") and (ref := reference(a, name, lr, seed)) is not None:
         return ref
-    return next((r for kind in ("screen", "rival", "confirm")
-                 if (r := results["runs"].get(f"{kind}|{name}|{lr:g}|{seed}")) is not None), None)
+    run = next((r for kind in ("screen", "rival", "confirm")
+                if (r := results["runs"].get(f"{kind}|{name}|{lr:g}|{seed}")) is not None), None)
+    if run is None and name in RESET_TWINS:  # on_jump acts on a kept jump only
+        twin = find_run(a, results, RESET_TWINS[name], lr, seed)
+        if twin is not None and all(j["accepted"] is None for j in twin["jumps"]):
+            return twin
+    return run
 
 
 def advice_pick(a: argparse.Namespace, results: dict[str, Any]) -> str | None:

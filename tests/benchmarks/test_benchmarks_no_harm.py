@@ -68,3 +68,19 @@ def test_rivals_and_confirmation_make_each_run_once_and_prodigy_takes_the_advice
     assert "Picked: `" in md and "**Verdict:** `lr_follow`" in md
     assert no_harm.main(["--smoke", "--out", str(tmp_path), "--report-only"]) == 0
     assert (tmp_path / "no_harm-smoke.md").read_text() == md
+
+
+def test_a_reset_variant_reuses_its_twin_only_where_the_twin_kept_no_jump(tmp_path):
+    import argparse
+
+    a = argparse.Namespace(smoke=True, out=tmp_path)
+    refused, kept = {"accepted": None}, {"accepted": 16.0}
+    results = {"runs": {"confirm|untuned_only|1e-05|0": {"jumps": [refused, refused]},
+                        "confirm|untuned_only|3e-06|0": {"jumps": [kept, refused]}}}
+    same = no_harm.find_run(a, results, "reset+untuned_only", 1e-5, 0)
+    assert same is results["runs"]["confirm|untuned_only|1e-05|0"]
+    assert no_harm.find_run(a, results, "reset+untuned_only", 3e-6, 0) is None
+    assert no_harm.find_run(a, results, "reset+untuned_only", 1e-6, 0) is None
+    # a run of its own wins over the twin's
+    own = results["runs"]["confirm|reset+untuned_only|1e-05|0"] = {"jumps": []}
+    assert no_harm.find_run(a, results, "reset+untuned_only", 1e-5, 0) is own
