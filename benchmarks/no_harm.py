@@ -418,6 +418,24 @@ def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, An
     return out
 
 
+def resets(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Item 1's state question, run by run: each variant that kept a jump beside its
+    ``on_jump="reset"`` twin (the same rule, Adam's moments restarted after a kept jump) and
+    plain, same lr and seed: the c each kept and the held-out KL at the cap."""
+    out = []
+    for reset, keep in RESET_TWINS.items():
+        for lr in sorted({*a.confirm_lrs, *a.screen_lrs}):
+            for seed in a.seeds:
+                runs = [find_run(a, results, n, lr, seed) for n in ("plain", keep, reset)]
+                if None in runs or not any(j["accepted"] for j in runs[1]["jumps"]):
+                    continue
+                kl = [kl_at(r, a.max_steps) for r in runs]
+                out.append({"lr": lr, "seed": seed, "keep": keep, "reset": reset,
+                            "kept": [[j["accepted"] for j in r["jumps"] if j["accepted"]]
+                                     for r in runs[1:]], "kl": kl})
+    return out
+
+
 def patience(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
     """Item 5: per lr of the confirmation, the default's runs replayed at each ``patience`` k
     (``searches.replay_row``): a refused search leaves the weights as they were, so a stop
@@ -470,6 +488,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     return {"forks": forks(a, results), "screen": screen(a, results),
             "replayed": replayed(a, results), "advice": advice(a, results),
             "rivals": rivals(a, results), "confirm": confirm(a, results),
+            "resets": resets(a, results),
             "patience": patience(a, results), "per_lr": per_lr(a, results),
             "hit_rate": hit_rate(a, results)}
 
@@ -584,6 +603,24 @@ def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
             "not compared.", "", verdict, ""]
 
 
+def reset_lines(s: dict[str, Any]) -> list[str]:
+    rows = s.get("resets") or []
+    if not rows:
+        return ["No variant and its reset twin have both run where the variant kept a jump.", ""]
+
+    def ratio(x: float | None, plain: float | None) -> str:
+        return "—" if x is None or not plain else f"{x:.4f} ({x / plain:.2f}×)"
+    body = [[f"{r['lr']:g}", r["seed"], f"`{r['keep']}` / `{r['reset']}`",
+             " / ".join(", ".join(f"{c:g}" for c in k) or "none" for k in r["kept"]),
+             _n(r["kl"][0], "{:.4f}"), ratio(r["kl"][1], r["kl"][0]), ratio(r["kl"][2], r["kl"][0])]
+            for r in sorted(rows, key=lambda r: (r["keep"], r["lr"], r["seed"]))]
+    return ["The same rule with Adam's moments kept and restarted after a kept jump "
+            "(`on_jump=\"reset\"`), beside plain at the same lr and seed; '(×)': to plain.", "",
+            markdown_table(["lr", "seed", "rule: kept / reset", "c kept: kept / reset",
+                            "plain's KL at cap", "KL at cap, state kept", "KL at cap, reset"],
+                           body), ""]
+
+
 def patience_lines(s: dict[str, Any]) -> list[str]:
     lrs = s.get("patience") or []
     if not lrs:
@@ -674,6 +711,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "## The confirmation", "",
         *confirm_lines(a, s),
         f"![seed 0's held-out KL per lr]({a.stem}.png)", "",
+        "## Adam's state after a kept jump", "",
+        *reset_lines(s),
         "## Stopping the searches (patience)", "",
         *patience_lines(s),
         "## Per lr: steps to 90% of the KL drop · KL at the cap · seeds", "",
