@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import markdown_table, mib, stats, sync, timed
-from benchmarks.overhead_step import NEVER, free_eval, ratios
+from benchmarks.overhead_step import BARE, NEVER, free_eval, ratios
 
 # SmolLM2-135M's architecture (LlamaForCausalLM): 134,515,008 parameters.
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -317,7 +317,7 @@ def bench_search(device, args) -> dict[str, Any]:
         libraries = {"before": load_library(args.baseline), **libraries}
     stores = {"full": {"snapshot": "full"},
               f"lowrank_r{args.search_rank}": {"snapshot": "lowrank", "rank": args.search_rank}}
-    runs = {f"{v}/{s}": lib.Extrapolator(sm.named, free_eval, schedule=NEVER, **kw)
+    runs = {f"{v}/{s}": lib.Extrapolator(sm.named, free_eval, schedule=NEVER, **BARE, **kw)
             for v, lib in libraries.items() for s, kw in stores.items()}
     print(f"search section: {sm.n_params:,} params, {list(runs)}", flush=True)
     step_s, raw, cosines, fallbacks = search_rounds(args, sm, runs, libraries)

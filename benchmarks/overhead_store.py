@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import markdown_table, mib, stats, timed
-from benchmarks.overhead_step import NEVER, free_eval, train_step
+from benchmarks.overhead_step import BARE, NEVER, free_eval, train_step
 from lookahead_opd import Extrapolator, FullSnapshot, LowRankSnapshot
 
 
@@ -93,10 +93,11 @@ def bench_model_snapshots(model, base, batches, device, args) -> dict[str, Any]:
     named = list(model.named_parameters())
     params = [p for _, p in named]
     reference = [p.detach().float().clone() for p in params]  # what the stores copy now
-    extrapolators = {"full": Extrapolator(named, free_eval, snapshot="full", schedule=NEVER)}
+    extrapolators = {"full": Extrapolator(named, free_eval, snapshot="full", schedule=NEVER,
+                                              **BARE)}
     for r in args.ranks:
         extrapolators[f"lowrank_r{r}"] = Extrapolator(
-            named, free_eval, snapshot="lowrank", rank=r, schedule=NEVER
+            named, free_eval, snapshot="lowrank", rank=r, schedule=NEVER, **BARE
         )
     memory = _memory(extrapolators)
     names = list(extrapolators)
