@@ -409,6 +409,11 @@ def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, An
         r = seeds_of(a, results, a.default, lr, lr)
         complete = len(r["seeds"]) == len(a.seeds)
         steps = [x for x in r["steps_ratio_0.9"] if x is not None]
+        # a seed already made that misses the bar decides "harms" before the rest are made
+        r["harmed"] = [{"seed": s, "steps_ratio_0.9": st, "kl_ratio": kl}
+                       for s, st, kl in zip(r["seeds"], r["steps_ratio_0.9"], r["kl_ratio"],
+                                            strict=True)
+                       if (st is not None and st < 0.95) or kl is None or kl > 1.05]
         r.update(complete=complete,
                  no_harm_steps=complete and all(x >= 0.95 for x in steps),
                  no_harm_kl=complete and all(x is not None and x <= 1.05 for x in r["kl_ratio"]),
@@ -589,7 +594,13 @@ def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
     done = all(r["complete"] for r in rows)
     harmless = done and all(r["no_harm_steps"] and r["no_harm_kl"] for r in rows)
     gain = done and rows[0]["gain"]
-    verdict = ("**Verdict:** not every run is made yet." if not done else
+    harmed = [(r["lr"], h) for r in rows for h in r["harmed"]]
+    verdict = ("**Verdict:** `{}` harms: {}; the bar needs every seed at every lr.".format(
+                   a.default, "; ".join(
+                       f"at {lr:g}, seed {h['seed']}, steps to 90% "
+                       f"{_n(h['steps_ratio_0.9'], '{:.2f}')}× plain's, KL at the cap "
+                       f"{_n(h['kl_ratio'], '{:.2f}')}× plain's" for lr, h in harmed))
+               if harmed else "**Verdict:** not every run is made yet." if not done else
                f"**Verdict:** `{a.default}` {'does no harm' if harmless else 'harms'} at every "
                f"lr, and {'keeps' if gain else 'does not keep'} ≥ 1.8× fewer steps at "
                f"{rows[0]['lr']:g}.")
