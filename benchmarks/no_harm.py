@@ -397,29 +397,36 @@ def rivals(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any
     return [r for r in rows if r["seeds"]]
 
 
+def candidates(a: argparse.Namespace, results: dict[str, Any]) -> list[str]:
+    """Every rule the confirmation has run (``--default`` of some call), in the order first
+    run, and this call's ``--default``."""
+    names = [k.split("|")[1] for k in results["runs"] if k.startswith("confirm|")]
+    return [n for n in dict.fromkeys([*names, *([a.default] if a.default else [])])
+            if n != "plain"]
+
+
 def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per lr of the confirmation: the default beside plain at the same lr, over the seeds,
-    with the bar of item 3: steps to 90% ≥ 0.95× plain's on every seed (both unreached
-    passes), the KL at the cap ≤ 1.05× plain's on every seed, and ≥ 1.8× fewer steps (mean)
-    at the smallest lr."""
-    if not a.default:
-        return []
+    """Per candidate (``candidates``) and lr of the confirmation: the candidate beside plain
+    at the same lr, over the seeds made, with the bar of item 3: steps to 90% ≥ 0.95× plain's
+    on every seed (both unreached passes), the KL at the cap ≤ 1.05× plain's on every seed,
+    and ≥ 1.8× fewer steps (mean) at the smallest lr. A seed that misses the bar is named in
+    ``harmed`` as soon as it is made."""
     out = []
-    for lr in a.confirm_lrs:
-        r = seeds_of(a, results, a.default, lr, lr)
-        complete = len(r["seeds"]) == len(a.seeds)
-        steps = [x for x in r["steps_ratio_0.9"] if x is not None]
-        # a seed already made that misses the bar decides "harms" before the rest are made
-        r["harmed"] = [{"seed": s, "steps_ratio_0.9": st, "kl_ratio": kl}
-                       for s, st, kl in zip(r["seeds"], r["steps_ratio_0.9"], r["kl_ratio"],
-                                            strict=True)
-                       if (st is not None and st < 0.95) or kl is None or kl > 1.05]
-        r.update(complete=complete,
-                 no_harm_steps=complete and all(x >= 0.95 for x in steps),
-                 no_harm_kl=complete and all(x is not None and x <= 1.05 for x in r["kl_ratio"]),
-                 gain=(complete and lr == min(a.confirm_lrs)
-                       and bool(steps) and sum(steps) / len(steps) >= 1.8))
-        out.append(r)
+    for name in candidates(a, results):
+        rows = []
+        for lr in a.confirm_lrs:
+            r = seeds_of(a, results, name, lr, lr)
+            complete = len(r["seeds"]) == len(a.seeds)
+            steps = [x for x in r["steps_ratio_0.9"] if x is not None]
+            r["harmed"] = [{"seed": s, "steps_ratio_0.9": st, "kl_ratio": kl}
+                           for s, st, kl in zip(r["seeds"], r["steps_ratio_0.9"], r["kl_ratio"],
+                                                strict=True)
+                           if (st is not None and st < 0.95) or kl is None or kl > 1.05]
+            r.update(complete=complete, no_harm=complete and not r["harmed"],
+                     gain=(complete and lr == min(a.confirm_lrs)
+                           and bool(steps) and sum(steps) / len(steps) >= 1.8))
+            rows.append(r)
+        out.append({"name": name, "rows": rows})
     return out
 
 
@@ -582,36 +589,39 @@ def advice_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
 
 
 def confirm_lines(a: argparse.Namespace, s: dict[str, Any]) -> list[str]:
-    rows = s["confirm"]
-    if not rows:
+    if not s["confirm"]:
         return ["Not run yet: `--stages confirm --default NAME` once the screen has chosen.", ""]
-    body = [[f"{r['lr']:g}", len(r["seeds"]),
-             spread(r["steps_ratio_0.9"], "{:.2f}", "both unreached"),
-             spread(r["seconds_ratio_0.9"], "{:.2f}", "both unreached"),
-             spread(r["kl_ratio"], "{:.2f}"), spread(r["gate_share"], "{:.0%}"),
-             "—" if not r["complete"] else ("yes" if r["no_harm_steps"] and r["no_harm_kl"]
-                                            else "no")] for r in rows]
-    done = all(r["complete"] for r in rows)
-    harmless = done and all(r["no_harm_steps"] and r["no_harm_kl"] for r in rows)
-    gain = done and rows[0]["gain"]
-    harmed = [(r["lr"], h) for r in rows for h in r["harmed"]]
-    verdict = ("**Verdict:** `{}` harms: {}; the bar needs every seed at every lr.".format(
-                   a.default, "; ".join(
-                       f"at {lr:g}, seed {h['seed']}, steps to 90% "
-                       f"{_n(h['steps_ratio_0.9'], '{:.2f}')}× plain's, KL at the cap "
-                       f"{_n(h['kl_ratio'], '{:.2f}')}× plain's" for lr, h in harmed))
-               if harmed else "**Verdict:** not every run is made yet." if not done else
-               f"**Verdict:** `{a.default}` {'does no harm' if harmless else 'harms'} at every "
-               f"lr, and {'keeps' if gain else 'does not keep'} ≥ 1.8× fewer steps at "
-               f"{rows[0]['lr']:g}.")
-    return [f"The default `{a.default}` beside plain at the same lr and seed, mean (min–max) "
-            "over the seeds.", "",
-            markdown_table(["lr", "seeds", "steps to 90%: plain / default",
-                            "seconds to 90%: plain / default", "KL at cap: default / plain",
-                            "gate share", "no harm on every seed"], body), "",
-            "Seconds: the step ratio times 1 − the default's gate share up to that step (a plain "
-            "step costs what its other steps cost); clocks of runs made under other loads are "
-            "not compared.", "", verdict, ""]
+    out = ["Each candidate beside plain at the same lr and seed, mean (min–max) over the seeds "
+           "made. Seconds: the step ratio times 1 − the candidate's gate share up to that step "
+           "(a plain step costs what its other steps cost); clocks of runs made under other "
+           "loads are not compared.", ""]
+    for c in s["confirm"]:
+        name, rows = c["name"], [r for r in c["rows"] if r["seeds"]]
+        body = [[f"{r['lr']:g}", ", ".join(map(str, r["seeds"])),
+                 spread(r["steps_ratio_0.9"], "{:.2f}", "both unreached"),
+                 spread(r["seconds_ratio_0.9"], "{:.2f}", "both unreached"),
+                 spread(r["kl_ratio"], "{:.2f}"), spread(r["gate_share"], "{:.0%}"),
+                 "no" if r["harmed"] else "yes" if r["complete"] else "so far"]
+                for r in rows]
+        harmed = [(r["lr"], h) for r in rows for h in r["harmed"]]
+        done = all(r["complete"] for r in c["rows"])
+        gain = done and c["rows"][0]["gain"]
+        verdict = (
+            f"**Verdict:** `{name}` harms: " + "; ".join(
+                f"at {lr:g}, seed {h['seed']}, steps to 90% "
+                f"{_n(h['steps_ratio_0.9'], '{:.2f}')}× plain's, KL at the cap "
+                f"{_n(h['kl_ratio'], '{:.2f}')}× plain's" for lr, h in harmed)
+            + "; the bar needs every seed at every lr." if harmed else
+            f"**Verdict:** `{name}`: not every run is made yet." if not done else
+            f"**Verdict:** `{name}` does no harm at every lr, and "
+            f"{'keeps' if gain else 'does not keep'} ≥ 1.8× fewer steps at "
+            f"{c['rows'][0]['lr']:g}.")
+        out += [f"### `{name}`", "",
+                markdown_table(["lr", "seeds", "steps to 90%: plain / it",
+                                "seconds to 90%: plain / it", "KL at cap: it / plain",
+                                "gate share", "no harm on every seed"], body), "",
+                verdict, ""]
+    return out
 
 
 def reset_lines(s: dict[str, Any]) -> list[str]:

@@ -56,8 +56,11 @@ def test_rivals_and_confirmation_make_each_run_once_and_prodigy_takes_the_advice
     assert f'"d_coef": {no_harm.ADVICE[pick]}' in advised["optimizer_kwargs"]
     assert "d_coef" not in runs["rival|prodigy|0.001|0"]["options"]["optimizer_kwargs"]
     assert runs["rival|effopd(prodigy)|0.001|0"]["options"]["extrapolate"] is True
-    (confirmed,) = results["summary"]["confirm"]
+    (candidate,) = results["summary"]["confirm"]
+    (confirmed,) = candidate["rows"]
+    assert candidate["name"] == "lr_follow"
     assert confirmed["seeds"] == [0, 1] and confirmed["complete"]
+    assert confirmed["no_harm"] == (not confirmed["harmed"])
     # the patience replay reads the default's runs, the screen's seed 0 and the rival's seed 1
     (replayed,) = results["summary"]["patience"]
     searched = [runs[k]["jumps"] for k in ("screen|lr_follow|0.001|0", "rival|lr_follow|0.001|1")]
