@@ -87,3 +87,15 @@ def test_a_reset_variant_reuses_its_twin_only_where_the_twin_kept_no_jump(tmp_pa
     # a run of its own wins over the twin's
     own = results["runs"]["confirm|reset+untuned_only|1e-05|0"] = {"jumps": []}
     assert no_harm.find_run(a, results, "reset+untuned_only", 1e-5, 0) is own
+
+
+def test_the_confirmation_lists_each_candidate_once_in_the_order_run(tmp_path):
+    import argparse
+
+    runs = {k: {} for k in ("screen|late|1e-05|0", "confirm|untuned_only|3e-06|0",
+                            "confirm|plain|3e-06|1", "confirm|late|3e-06|0",
+                            "confirm|untuned_only|3e-05|0")}
+    a = argparse.Namespace(default="margin")
+    assert no_harm.candidates(a, {"runs": runs}) == ["untuned_only", "late", "margin"]
+    a.default = "late"
+    assert no_harm.candidates(a, {"runs": runs}) == ["untuned_only", "late"]
