@@ -19,7 +19,8 @@ costs, on the real-model pair of ``real_lm`` (student ``smollm2-135m-gguf``, eve
    venv) into its own json; the report shows them beside the table.
 
     OMP_NUM_THREADS=1 python -m benchmarks.topk               # the table (~15 min, one thread)
-    OMP_NUM_THREADS=1 python -m benchmarks.topk --runs        # then the runs (≤ 4 CPU-hours)
+    OMP_NUM_THREADS=1 python -m benchmarks.topk --runs --workers 2 &   # then the runs, twice:
+    OMP_NUM_THREADS=1 python -m benchmarks.topk --runs --workers 2     # two workers (≤ 4 CPU-h)
     python -m benchmarks.topk --smoke --out /tmp/topk          # the pipeline on a zoo pair
 """
 
@@ -178,6 +179,31 @@ def _n(x: Any, fmt: str = "{:.4f}") -> str:
     return "—" if x is None else fmt.format(x)
 
 
+def against_full(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per k of the runs: the held-out full KL at the end over the full loss's, same lr and
+    seed, over the seeds where both ran."""
+    runs = [r for r in results["runs"].values() if r["kl"]]
+    full = {(r["lr"], r["seed"]): r["kl"][-1][1] for r in runs if r["k"] is None}
+    out: dict[int, dict[str, Any]] = {}
+    for r in runs:
+        if r["k"] is not None and (r["lr"], r["seed"]) in full:
+            row = out.setdefault(r["k"], {"k": r["k"], "lr": r["lr"], "seeds": [], "ratio": []})
+            row["seeds"].append(r["seed"])
+            row["ratio"].append(r["kl"][-1][1] / full[r["lr"], r["seed"]])
+    return sorted(out.values(), key=lambda x: x["k"])
+
+
+def against_full_lines(results: dict[str, Any]) -> list[str]:
+    rows = against_full(results)
+    if not rows:
+        return []
+    return ["Held-out full KL at the end, top-k over the full loss on the same seed: mean "
+            "[min–max].", "",
+            markdown_table(["k", "lr", "seeds", "KL at the end: top-k / full"],
+                           [[r["k"], f"{r['lr']:g}", ", ".join(map(str, r["seeds"])),
+                             harness.fmt_range(r["ratio"], "{:.2f}×")] for r in rows]), ""]
+
+
 def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
     label = {None: "full vocabulary", 0: "sampled token (reverse_kl_pg; its loss is a surrogate)"}
     rows = [[r["direction"], label.get(r["k"], f"top-{r['k']} + tail"), _n(r["loss"]),
@@ -205,9 +231,41 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
                         "wall (s)"], runs) if runs else
         f"Not run yet (`--runs`: k ∈ {a.run_ks} beside the full loss at its better of "
         f"{a.run_lrs}, {len(a.seeds)} seeds, {a.max_steps} steps).", "",
+        *against_full_lines(results),
+        *([f"![held-out KL per seed]({a.stem}.png)", ""] if any(
+            r["k"] is not None and r["kl"] for r in results["runs"].values()) else []),
         "## A served teacher's replies", "",
         *served(a),
     ])
+
+
+def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
+    """One panel per seed: the held-out full KL of the full loss and of each k over the steps,
+    at the lr the top-k runs used (the full loss's better)."""
+    runs = [r for r in results["runs"].values() if r["kl"]]
+    ks = [r for r in runs if r["k"] is not None]
+    if not ks:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lr, seeds = ks[0]["lr"], sorted({r["seed"] for r in ks})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 4), squeeze=False)
+    for ax, seed in zip(axes[0], seeds, strict=True):
+        mine = sorted((r for r in runs if r["lr"] == lr and r["seed"] == seed),
+                      key=lambda r: -1 if r["k"] is None else r["k"])
+        for r in mine:  # the full loss wide and grey underneath: a top-k run on it shows
+            ax.plot(*zip(*r["kl"], strict=True), lw=5 if r["k"] is None else 1.3,
+                    color="0.75" if r["k"] is None else None,
+                    label="full vocabulary" if r["k"] is None else f"top-{r['k']} + tail")
+        ax.set(title=f"seed {seed}, lr {lr:g}", xlabel="step", yscale="log")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("held-out full reverse KL to the teacher")
+    fig.tight_layout()
+    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
+    plt.close(fig)
 
 
 def served(a: argparse.Namespace) -> list[str]:
@@ -246,9 +304,10 @@ def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[dict[str, Any]
 
 
 STUDY = harness.Study(
-    STEM, __doc__, report, options=options, uses=("threads", "budget"), configure=configure,
+    STEM, __doc__, report, options=options, uses=("threads", "budget", "workers"),
+    configure=configure,
     report_options=("kl_size", "ks", "run_ks", "run_lrs", "seeds", "max_steps"),
-    fields=dict(table=list), prepare=prepare,
+    fields=dict(table=list), prepare=prepare, plot=plot,
     jobs=lambda a, store, ctx: jobs(a, store.data) if a.runs else [],
     run=lambda a, ctx, job: run_one(a, *ctx, *job))
 main = STUDY.main

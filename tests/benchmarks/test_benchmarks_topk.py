@@ -34,3 +34,27 @@ def test_the_table_keeps_the_bounds_and_the_report_regenerates(tmp_path, monkeyp
     again = previous_results(tmp_path / "one", "topk-smoke")["table"]
     assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in rows], rel=1e-5)
     assert [r["cosine"] for r in again] == pytest.approx([r["cosine"] for r in rows], abs=1e-5)
+
+
+def test_each_k_is_compared_with_the_full_loss_on_its_own_seed():
+    def run(k, seed, end, lr=1e-5):
+        return {"k": k, "seed": seed, "lr": lr, "kl": [[0, 0.2], [30, end]]}
+    runs = [run(None, 0, 0.010), run(None, 1, 0.020), run(20, 0, 0.012), run(20, 1, 0.020),
+            run(256, 0, 0.011), run(256, 2, 0.5), run(20, 0, 0.9, lr=1e-6)]
+    rows = topk.against_full({"runs": {str(i): r for i, r in enumerate(runs)}})
+    assert [(r["k"], r["seeds"]) for r in rows] == [(20, [0, 1]), (256, [0])]
+    assert rows[0]["ratio"] == pytest.approx([1.2, 1.0])
+    assert rows[1]["ratio"] == pytest.approx([1.1])
+
+
+def test_the_plot_has_a_panel_per_seed_of_the_topk_runs(tmp_path):
+    import argparse
+
+    def run(k, seed):
+        return {"k": k, "seed": seed, "lr": 1e-5, "kl": [[0, 0.2], [5, 0.05], [30, 0.01]]}
+    a = argparse.Namespace(out=str(tmp_path), stem="topk")
+    topk.plot(a, {"runs": {"full": run(None, 0)}})
+    assert not (tmp_path / "topk.png").exists()  # no top-k run yet: nothing to compare
+    topk.plot(a, {"runs": {str(i): run(k, s) for i, (k, s) in
+                           enumerate([(None, 0), (20, 0), (None, 1), (20, 1), (256, 1)])}})
+    assert (tmp_path / "topk.png").stat().st_size > 0
