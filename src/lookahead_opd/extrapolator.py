@@ -10,7 +10,9 @@ After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
    parameter dtype), keeping a candidate only while it beats the best score by more than
    ``min_improvement`` (and, with ``margin = z`` and per-example scores, by more than z
    standard errors of the per-example differences), and stops at the first that does not
-   (with ``back_off = k``, then keeping the candidate k before the best);
+   (with ``back_off = k``, then keeping the candidate k before the best; with
+   ``linearity = q`` keeping a jump only when none stopped it and the last rung's gain per
+   unit of c is at least q times the rung's before);
 4. leaves the best weights in place bit-exactly and makes them the next anchor.
 
 The optimizer's state and step count are left alone unless ``on_jump="reset"``.
@@ -185,7 +187,7 @@ class Extrapolator:
             ``mode="min"``.
         optimizer: the optimizer stepping ``params``; needed by ``on_jump="reset"``.
         **options: the fields of ``ExtrapolationOptions`` (validated there): ``mode``,
-            ``min_improvement``, ``margin``, ``back_off``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
+            ``min_improvement``, ``margin``, ``back_off``, ``linearity``, ``schedule``/``every``, ``coefficients``/``max_candidates``,
             ``patience``, ``snapshot``/``rank``/``reference``, ``offload``, ``direction``,
             ``direction_rank``, ``on_jump``, ``reduce``/``process_group``, ``log_geometry``.
     """
@@ -211,6 +213,7 @@ class Extrapolator:
         self.min_improvement = float(o.min_improvement)
         self.margin = float(o.margin)
         self.back_off = int(o.back_off)
+        self.linearity = float(o.linearity)
         self.schedule = o.make_schedule()
         self.coefficients = o.coefficient_values()
         self.patience = o.patience
@@ -518,15 +521,35 @@ class Extrapolator:
                 if self.back_off:  # the score turned: step back from its edge
                     b = self.back_off
                     record.accepted = kept[-1 - b] if len(kept) > b else None
+                if self.linearity:  # a ladder that stopped bent past any linearity
+                    record.accepted = None
                 break
             best, record.accepted, best_examples = score, c, examples
             kept.append(c)
+        else:
+            if self.linearity and not self._still_linear(record):
+                record.accepted = None
         if record.coefficients and record.coefficients[-1] != record.accepted:
             # Undo the rejected candidate exactly.
             if record.accepted is None:
                 self.restore(backup)
             else:
                 self.apply(record.accepted, backup)
+
+    def _still_linear(self, record: JumpRecord) -> bool:
+        """Whether the last rung of a ladder whose every candidate improved gained, per unit
+        of c, at least ``linearity`` times the rung's before (rungs between the points
+        ``(0, score_before)`` and the candidates'; a first candidate c = 0 stands for the
+        first point)."""
+        sign = 1.0 if self.mode == "max" else -1.0
+        points = list(zip(record.coefficients, record.scores, strict=True))
+        if not points or points[0][0] != 0:
+            points.insert(0, (0.0, record.score_before))
+        if len(points) < 3:
+            return False
+        (c0, s0), (c1, s1), (c2, s2) = points[-3:]
+        before, last = sign * (s1 - s0) / (c1 - c0), sign * (s2 - s1) / (c2 - c1)
+        return last >= self.linearity * before
 
     def _release(self) -> None:
         """Searching has stopped for good: drop the anchor and the running average (a copy of

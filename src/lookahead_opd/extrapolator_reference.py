@@ -20,7 +20,9 @@ scheduled step (``schedule``/``every``) the search
    by more than z standard errors of the mean of the per-example score differences (``eval_fn``
    then returns one score per example, its mean the score), and stops at the first that does
    not; with ``back_off = k`` a stop keeps the candidate k before the best (none if there
-   are not k before it);
+   are not k before it); with ``linearity = q`` a stop keeps none, and a ladder that never
+   stopped keeps its last candidate only if the last of the segments joining ``(0, s0)`` and
+   the candidates' points rose at least q times as steeply as the one before it;
 4. puts back the best point (``W_t`` when no candidate won) and makes it the next anchor (for
    ``"averaged"`` with no winner: the window average). On a kept jump ``on_jump="reset"``
    empties the optimizer's state of the parameters.
@@ -134,9 +136,20 @@ class ReferenceExtrapolator:
             if not (math.isfinite(s) and better):
                 if o.back_off:  # the score turned: keep the candidate back_off before the best
                     accepted = kept[-1 - o.back_off] if len(kept) > o.back_off else None
+                if o.linearity:  # the ladder stopped: it bent
+                    accepted = None
                 break
             best, best_x, accepted = s, x, c
             kept.append(c)
+        else:  # every candidate improved: is the last rung's slope still near the one before?
+            if o.linearity and tried:
+                xs, ys = ([0.0], [s0]) if tried[0] != 0 else ([], [])
+                xs, ys = xs + tried, ys + scores
+                if o.mode == "min":
+                    ys = [-y for y in ys]
+                if len(xs) < 3 or ((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+                                   < o.linearity * (ys[-2] - ys[-3]) / (xs[-2] - xs[-3])):
+                    accepted = None
         for p, w, b, d in zip(ps, w_t, base, delta, strict=True):  # 4. the best point stays
             p.copy_(w if accepted is None else torch.add(b, d, alpha=accepted))
         new = base if accepted is None else [p.float() for p in ps]  # ... and is the anchor

@@ -61,8 +61,11 @@ def check_fields(config: Any, *, skip: Sequence[str] = ()) -> None:
             continue
         if choices is not None:
             check_choice(f.name, value, choices)
-        if minimum is not None and value is not None and value < minimum:
-            raise ValueError(f"{f.name} must be >= {minimum}, got {value!r}")
+        if minimum is not None and value is not None:
+            if not isinstance(value, numbers.Real):  # bools: the field's own check
+                raise TypeError(f"{f.name} must be a number >= {minimum}, got {value!r}")
+            if value < minimum:
+                raise ValueError(f"{f.name} must be >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,12 @@ class ExtrapolationOptions:
         "(W_t when there are not that many): the best lies near where the score turns, and an "
         "overshoot of the gate's best costs the run later at a well-tuned lr; nothing changes "
         "when every candidate improved (0: off)", minimum=0)
+    linearity: float = option(
+        0.0, "keep a jump only from a ladder on which every candidate beat the best and whose "
+        "last rung gained, per unit of c, at least this fraction of what the rung before it "
+        "gained (the rungs join W_t's score at c = 0 and the candidates'): at a too-small lr "
+        "the gate's gain is still near linear in c, at a tuned lr it bends before the score "
+        "turns; fewer than two rungs keep nothing (0: off)", minimum=0.0)
     schedule: ScheduleSpec = option(
         "powers_of_two", "search steps: powers_of_two, comma-separated steps, a Schedule or an "
         "iterable of steps", cli_type=str)
@@ -133,6 +142,9 @@ class ExtrapolationOptions:
         z = self.margin
         if isinstance(z, bool) or not isinstance(z, numbers.Real) or not math.isfinite(z):
             raise ValueError(f"margin must be a finite number >= 0, got {z!r}")
+        q = self.linearity
+        if isinstance(q, bool) or not isinstance(q, numbers.Real) or not math.isfinite(q):
+            raise ValueError(f"linearity must be a finite number >= 0, got {q!r}")
         b = self.back_off
         if isinstance(b, bool) or not isinstance(b, int):
             raise ValueError(f"back_off must be an int >= 0 (candidates to step back), got {b!r}")

@@ -117,6 +117,7 @@ def options(draw, **fixed):
              on_jump=draw(st.sampled_from(["keep", "reset"])),
              margin=draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, 2.0])),
              back_off=draw(st.sampled_from([0, 0, 1, 2, 9])),
+             linearity=draw(st.sampled_from([0.0, 0.0, 0.0, 0.5, 1.0])),
              offload=None)
     schedule = "fixed" if {"schedule", "every"} & set(fixed) else draw(
         st.sampled_from(["powers_of_two", "every", "steps"]))
@@ -204,6 +205,9 @@ FORCED = [
     dict(margin=0.5), dict(margin=2.0), dict(margin=1.0, min_improvement=1e-3),
     dict(back_off=1), dict(back_off=2), dict(back_off=9), dict(back_off=1, coefficients="linear"),
     dict(back_off=1, direction="averaged"), dict(back_off=2, direction_rank=1),
+    dict(linearity=0.5), dict(linearity=0.5, back_off=1), dict(linearity=1.0, mode="min"),
+    dict(linearity=0.5, direction="averaged", coefficients=[0.0, 1.0, 2.0, 4.0]),
+    dict(linearity=0.5, coefficients="linear"),
     dict(mode="max"), dict(mode="min"), dict(patience=1), dict(patience=2),
     dict(direction="secant"), dict(direction="averaged"),
     dict(direction="averaged", coefficients=[0.0, 1.0, 2.0]),

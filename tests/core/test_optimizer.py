@@ -331,6 +331,35 @@ def test_back_off_keeps_the_candidate_before_the_best_once_the_score_turns():
         search(turned, back_off=True)
 
 
+def test_linearity_keeps_a_jump_only_from_a_ladder_that_has_not_bent():
+    def search(scores, **options):
+        it = iter(scores)
+        return _search_once(lambda: next(it), **options)
+
+    # The gate's step-1 ladders of benchmarks/results/no_harm.json (seed 0; W_t's score, then
+    # c = 1, 2, 4, 8, 16): every candidate improved at both lrs, but at 3e-6 the last rung
+    # gained 0.18x per unit of c what the rung before did, at 1e-6 0.77x.
+    too_small = [-0.1611, -0.1549, -0.1490, -0.1380, -0.1186, -0.0886]  # lr 1e-6
+    tuned = [-0.1787, -0.1595, -0.1426, -0.1142, -0.0761, -0.0620]  # lr 3e-6
+    assert search(too_small).accepted == search(tuned).accepted == 16.0
+    assert search(too_small, linearity=0.5).accepted == 16.0
+    assert search(tuned, linearity=0.5).accepted is None
+    assert search(too_small, linearity=0.9).accepted is None
+    # a ladder that stopped keeps nothing, back_off or not; one rung cannot show a bend
+    turned = [0.0, 0.05, 0.2, 0.3, 0.25]
+    assert search(turned, linearity=0.5).accepted is None
+    assert search(turned, linearity=0.5, back_off=1).accepted is None
+    assert search([0.0, 0.1], linearity=0.5, max_candidates=1).accepted is None
+    # a straight ladder passes any linearity up to 1; "min" mirrors "max"
+    straight = [0.0, 0.1, 0.2, 0.4, 0.8, 1.6]
+    assert search(straight, linearity=1.0).accepted == 16.0
+    assert search([-x for x in straight], mode="min", linearity=1.0).accepted == 16.0
+    assert search([-x for x in tuned], mode="min", linearity=0.5).accepted is None
+    for bad in (-0.5, math.inf, True, "0.5"):
+        with pytest.raises((ValueError, TypeError), match="linearity"):
+            search(straight, linearity=bad)
+
+
 def test_margin_needs_the_same_examples_at_every_call_and_says_so_in_one_line():
     with pytest.raises(TypeError, match="margin > 0 needs eval_fn to return one score per ex"):
         _search_once(lambda: 0.5, margin=1.0)

@@ -57,7 +57,7 @@ __all__ = ["DemoConfig", "check_demo", "run_demo", "main", "format_table", "conc
 _DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=300, batch_size=512,
                               learning_rate=5e-4, warmup_steps=0, loss="reverse_kl",
                               eval_every=4, eval_size=1000, gate="neg_kl", gate_size=128,
-                              back_off=0, patience=None, on_jump="keep")
+                              back_off=0, linearity=0.0, patience=None, on_jump="keep")
 FOLLOW_CAP = 32.0  # lr_follow's cap in benchmarks/lr_basin.py: enough to climb from best/32
 HEADLINE_FRACTION = 0.75  # of the gain: the lr basin report's headline target (or the stop's, if lower)
 
