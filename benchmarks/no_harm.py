@@ -30,6 +30,8 @@ teacher, task, held-out KL rollouts and seeds, and asks two things:
    ``real_lm-full`` holds are read from it, the others run here.
 
     OMP_NUM_THREADS=1 python -m benchmarks.no_harm --workers 2 &    # twice: two workers
+    OMP_NUM_THREADS=1 python -m benchmarks.no_harm --stages confirm --default late \\
+        --only-lrs 3e-6 --only-seeds 0,1                              # a slice of a stage
     python -m benchmarks.no_harm --report-only
     python -m benchmarks.no_harm --smoke --out /tmp/no_harm         # the pipeline, a zoo pair
 
@@ -65,6 +67,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "late": dict(schedule="8,16,32"),
     # Adam's moments describe the point before the jump: start them again after one.
     "reset": dict(on_jump="reset"),
+    # late missed the bar at 3e-6 by the least (KL at the cap 1.06x, 1.07x plain's after one
+    # c = 1 jump at step 8), and the reset took untuned_only's seed 0 there from 1.31x to 1.03x
     "late+reset": dict(schedule="8,16,32", on_jump="reset"),
     # the difference of window averages: less noise than the secant's end points
     "averaged": dict(direction="averaged"),
@@ -89,11 +93,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # that never turned, led plain until step 25 and ended 1.31x its KL: is it Adam's moments
     # from before the jump? Where nothing is kept (1e-5, 3e-5) this run is untuned_only's.
     "reset+untuned_only": dict(on_jump="reset", back_off=8),
+    # The step-1 ladders never turned at 1e-6 or at 3e-6, but they bend differently: the last
+    # rung's gain per unit of c is 0.7-0.9x the rung's before at 1e-6, under 0.2x at 3e-6 (see
+    # "How the gate's ladder bends", made from these ladders: the threshold 0.5 was read off
+    # them, so the seeds and lrs not yet seen are the test). Keep a jump only from a ladder
+    # that has not bent: a too-small lr's.
+    "linear": dict(linearity=0.5),
+    "reset+linear": dict(linearity=0.5, on_jump="reset"),
 }
+BEND = VARIANTS["linear"]["linearity"]
 # A variant that adds on_jump="reset" to another: where the other kept no jump, the reset never
 # acted and the runs are the same run (runs are a fixed function of the seed), made once.
-RESET_TWINS = {"reset": "effopd", "reset+back_off": "back_off",
-               "reset+untuned_only": "untuned_only"}
+RESET_TWINS = {"reset": "effopd", "late+reset": "late", "reset+back_off": "back_off",
+               "reset+untuned_only": "untuned_only", "reset+linear": "linear"}
+# More generally, a variant that keeps a jump only from ladders its twin keeps from (and acts
+# on nothing else): where the twin kept no jump, it kept none on the same ladders either.
+TWINS = {**RESET_TWINS, "linear": "untuned_only"}  # linearity > 0 needs a ladder that never turned
 STAGES = ("forks", "screen", "advice", "rivals", "confirm")
 # summary()'s reading: kept jumps that added more distance than the optimizer moved hint that
 # the lr is too small (real_lm-full, seed 0: 5.17 at 1e-6, 0.59 at 1e-5)
@@ -122,6 +137,10 @@ def options(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, in order (of {', '.join(STAGES)})")
     p.add_argument("--default", default=None,
                    help="confirm: the chosen variant (a screen variant's name, or effopd)")
+    p.add_argument("--only-lrs", default=None, help="run only the plan's runs at these lrs "
+                   "(comma-separated; the plan and the report stay whole)")
+    p.add_argument("--only-seeds", default=None, help="run only the plan's runs of these seeds "
+                   "(comma-separated; the plan and the report stay whole)")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--kl-every", type=int, default=5)
@@ -143,6 +162,14 @@ def configure(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
                 f"{', '.join(STAGES)}")
     if "confirm" in a.stages and a.default not in (*VARIANTS, "effopd"):
         p.error(f"--stages confirm needs --default, one of effopd, {', '.join(VARIANTS)}")
+    for name, kind in (("only_lrs", float), ("only_seeds", int)):
+        value = getattr(a, name)
+        if isinstance(value, str):
+            try:
+                setattr(a, name, tuple(kind(x) for x in value.split(",") if x))
+            except ValueError:
+                p.error(f"--{name.replace('_', '-')}: {value!r} is not a comma-separated list "
+                        f"of {kind.__name__}s")
     a.seeds, a.rival_lrs, a.confirm_lrs = SEEDS, RIVAL_LRS, CONFIRM_LRS
     a.task, a.top_blocks = real_lm.TASK, 0
     a.fork_lrs, a.screen_lrs, a.fork_last, a.fork_after = FORK_LRS, SCREEN_LRS, FORK_LAST, FORK_AFTER
@@ -174,8 +201,8 @@ def find_run(a: argparse.Namespace, results: dict[str, Any], name: str, lr: floa
         return ref
     run = next((r for kind in ("screen", "rival", "confirm")
                 if (r := results["runs"].get(f"{kind}|{name}|{lr:g}|{seed}")) is not None), None)
-    if run is None and name in RESET_TWINS:  # on_jump acts on a kept jump only
-        twin = find_run(a, results, RESET_TWINS[name], lr, seed)
+    if run is None and name in TWINS:  # the same decisions on the same ladders: one run
+        twin = find_run(a, results, TWINS[name], lr, seed)
         if twin is not None and all(j["accepted"] is None for j in twin["jumps"]):
             return twin
     return run
@@ -222,14 +249,17 @@ def wanted(a: argparse.Namespace, results: dict[str, Any], stage: str
 def jobs(a: argparse.Namespace, results: dict[str, Any]
          ) -> list[tuple[str, tuple[str, str, float, int]]]:
     """(key, (kind, name, lr, seed)) of every stage of ``--stages``, skipping the rivals' and
-    the confirmation's runs already made elsewhere (``find_run``)."""
+    the confirmation's runs already made elsewhere (``find_run``), and those outside
+    ``--only-lrs``/``--only-seeds``."""
     kind = {"forks": "fork", "rivals": "rival"}
     out = []
     for stage in a.stages:
         k = kind.get(stage, stage)
         out += [(f"{k}|{n}|{lr:g}|{seed}", (k, n, lr, seed))
                 for n, lr, seed in wanted(a, results, stage)
-                if k not in ("rival", "confirm") or find_run(a, results, n, lr, seed) is None]
+                if (k not in ("rival", "confirm") or find_run(a, results, n, lr, seed) is None)
+                and (not a.only_lrs or any(math.isclose(lr, x) for x in a.only_lrs))
+                and (not a.only_seeds or seed in a.only_seeds)]
     return out
 
 
@@ -448,6 +478,39 @@ def resets(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any
     return out
 
 
+def rung_ratio(search: dict[str, Any]) -> float | None:
+    """The last rung's gain per unit of c over the rung's before (the rungs join the score of
+    ``W_t`` at c = 0 and the candidates'), for a ladder on which every candidate improved;
+    None where one did not (the ladder turned) or there are fewer than two rungs.
+    ``ExtrapolationOptions.linearity`` reads the same."""
+    c, f = [0.0, *search["coefficients"]], [search["score_before"], *search["scores"]]
+    if len(c) < 3 or any(y <= x for x, y in zip(f[:-1], f[1:], strict=True)):
+        return None
+    return ((f[-1] - f[-2]) / (c[-1] - c[-2])) / ((f[-2] - f[-3]) / (c[-2] - c[-3]))
+
+
+def bends(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per lr and seed, the gate's step-1 ladder (the same for every rule that searches at step
+    1, from the same start): did it turn, how much it bent (``rung_ratio``), and the held-out KL
+    at the cap of the EffOPD runs that kept its top, against plain's at the same lr and seed."""
+    full = None if a.smoke else previous_results(a.out, real_lm.FULL_STEM)
+    runs = [*((full or {}).get("runs", {}).values()), *results["runs"].values()]
+    out: dict[tuple[float, int], dict[str, Any]] = {}
+    for r in runs:
+        first = next((j for j in r.get("jumps", []) if j["step"] == 1), None)
+        if first is None or r.get("kind") == "fork":
+            continue
+        row = out.setdefault((r["lr"], r["seed"]), {
+            "lr": r["lr"], "seed": r["seed"], "turned": rung_ratio(first) is None,
+            "ratio": rung_ratio(first), "kept_top": [], "plain_kl": kl_at(
+                find_run(a, results, "plain", r["lr"], r["seed"]), a.max_steps)})
+        if first["accepted"] is not None and first["accepted"] == first["coefficients"][-1]:
+            kl = kl_at(r, a.max_steps)
+            if kl is not None and row["plain_kl"]:
+                row["kept_top"].append(kl / row["plain_kl"])
+    return sorted(out.values(), key=lambda x: (x["lr"], x["seed"]))
+
+
 def patience(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, Any]]:
     """Item 5: per lr of the confirmation, the default's runs replayed at each ``patience`` k
     (``searches.replay_row``): a refused search leaves the weights as they were, so a stop
@@ -500,7 +563,7 @@ def summarize(a: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
     return {"forks": forks(a, results), "screen": screen(a, results),
             "replayed": replayed(a, results), "advice": advice(a, results),
             "rivals": rivals(a, results), "confirm": confirm(a, results),
-            "resets": resets(a, results),
+            "resets": resets(a, results), "bends": bends(a, results),
             "patience": patience(a, results), "per_lr": per_lr(a, results),
             "hit_rate": hit_rate(a, results)}
 
@@ -642,6 +705,25 @@ def reset_lines(s: dict[str, Any]) -> list[str]:
                            body), ""]
 
 
+def bend_lines(s: dict[str, Any]) -> list[str]:
+    rows = s.get("bends") or []
+    if not rows:
+        return ["No run has searched at step 1 yet.", ""]
+    body = [[f"{r['lr']:g}", r["seed"], "turned" if r["turned"] else "never turned",
+             _n(r["ratio"], "{:.2f}"), "yes" if r["ratio"] is not None and r["ratio"] >= BEND
+             else "no", spread(r["kept_top"], "{:.2f}×") or "—"]
+            for r in rows]
+    return ["The gate's ladder at step 1 (W_t, then c = 1, 2, 4, 8, 16), the same for every "
+            "rule from the same start. How it bends: the last rung's gain per unit of c over "
+            f"the rung's before (1: straight; `linearity = {BEND:g}` keeps the top where it is "
+            "at least that). Runs that kept the top (c = 16): their held-out KL at the cap over "
+            "plain's, mean (min–max) over those runs ('—': none did; a ladder that turned "
+            "refused its top).", "",
+            markdown_table(["lr", "seed", "ladder", "last rung / rung before, per unit of c",
+                            f"linearity {BEND:g} keeps it", "runs that kept it: KL at cap / "
+                            "plain's"], body), ""]
+
+
 def patience_lines(s: dict[str, Any]) -> list[str]:
     lrs = s.get("patience") or []
     if not lrs:
@@ -732,6 +814,8 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
         "## The confirmation", "",
         *confirm_lines(a, s),
         f"![seed 0's held-out KL per lr]({a.stem}.png)", "",
+        "## How the gate's ladder bends", "",
+        *bend_lines(s),
         "## Adam's state after a kept jump", "",
         *reset_lines(s),
         "## Stopping the searches (patience)", "",
@@ -804,7 +888,8 @@ STUDY = harness.Study(
     configure=configure,
     report_options=("max_steps", "batch_size", "kl_every", "kl_size", "eval_size", "gate_size",
                     "default"),
-    prepare=prepare, plot=plot, jobs=lambda a, store, ctx: jobs(a, store.data),
+    private=("only_lrs", "only_seeds"), prepare=prepare, plot=plot,
+    jobs=lambda a, store, ctx: jobs(a, store.data),
     run=lambda a, ctx, job: run_one(a, *ctx, *job), summarize=summarize)
 main = STUDY.main
 

@@ -84,6 +84,9 @@ def test_a_reset_variant_reuses_its_twin_only_where_the_twin_kept_no_jump(tmp_pa
     assert same is results["runs"]["confirm|untuned_only|1e-05|0"]
     assert no_harm.find_run(a, results, "reset+untuned_only", 3e-6, 0) is None
     assert no_harm.find_run(a, results, "reset+untuned_only", 1e-6, 0) is None
+    # linearity keeps only from ladders untuned_only keeps from: through it, twice removed
+    assert no_harm.find_run(a, results, "reset+linear", 1e-5, 0) is same
+    assert no_harm.find_run(a, results, "linear", 3e-6, 0) is None
     # a run of its own wins over the twin's
     own = results["runs"]["confirm|reset+untuned_only|1e-05|0"] = {"jumps": []}
     assert no_harm.find_run(a, results, "reset+untuned_only", 1e-5, 0) is own
@@ -99,3 +102,42 @@ def test_the_confirmation_lists_each_candidate_once_in_the_order_run(tmp_path):
     assert no_harm.candidates(a, {"runs": runs}) == ["untuned_only", "late", "margin"]
     a.default = "late"
     assert no_harm.candidates(a, {"runs": runs}) == ["untuned_only", "late"]
+
+
+def test_only_lrs_and_seeds_slice_the_plan_and_stay_out_of_the_config(tmp_path):
+    argv = ["--out", str(tmp_path), "--stages", "confirm", "--default", "late"]
+    whole = no_harm.jobs(no_harm.STUDY.parse(argv), {"runs": {}})
+    a = no_harm.STUDY.parse([*argv, "--only-lrs", "3e-6", "--only-seeds", "0,1"])
+    sliced = no_harm.jobs(a, {"runs": {}})
+    assert [job for _, job in sliced] == [job for _, job in whole
+                                          if job[2] == 3e-6 and job[3] in (0, 1)]
+    assert {job[1] for _, job in sliced} == {"plain", "late"} and len(sliced) == 4
+    assert "only_lrs" not in no_harm.STUDY.config(a)
+    with pytest.raises(SystemExit):
+        no_harm.STUDY.parse([*argv, "--only-seeds", "one"])
+
+
+@pytest.mark.parametrize("scores", [
+    [-0.1611, -0.1549, -0.1490, -0.1380, -0.1186, -0.0886],  # 1e-6's step-1 ladder: 0.77
+    [-0.1787, -0.1595, -0.1426, -0.1142, -0.0761, -0.0620],  # 3e-6's: 0.18
+    [0.0, 0.1, 0.2, 0.4, 0.8, 1.6],  # straight: 1
+    [0.0, 0.05, 0.2, 0.3, 0.25],  # turned: none
+    [0.0, 0.01, 0.03, 0.07, 0.15, 0.31],  # still steepening: above 1
+])
+def test_the_reports_bend_is_what_linearity_reads(scores):
+    import torch
+
+    from lookahead_opd import ExtrapolatingOptimizer
+
+    model = torch.nn.Linear(2, 1)
+    ladder = {"score_before": scores[0], "scores": scores[1:],
+              "coefficients": [1.0, 2.0, 4.0, 8.0, 16.0][:len(scores) - 1]}
+    ratio = no_harm.rung_ratio(ladder)
+    for q in (0.1, 0.5, 0.9, 1.0, 1.5):
+        it = iter(scores)
+        opt = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     eval_fn=lambda it=it: next(it), schedule=[1], linearity=q)
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        kept = opt.history[0].accepted is not None
+        assert kept == (ratio is not None and ratio >= q)
