@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -50,6 +51,7 @@ EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geom
 # the library's defaults: each study's runs keep their meaning, and a report regenerates from a
 # resumed json. A study's own fields override them (no_harm's variants do).
 AS_RUN = dict(back_off=0, linearity=0.0, patience=None, on_jump="keep")
+SCRATCH = "/tmp/lookahead-opd-"  # + "<study>/<run>": each run's checkpoint and metrics, deleted after
 FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
 # What a run record keeps of each search (``JumpRecord``): enough to replay the gate's bill.
 JUMP_KEYS = ("step", "score_before", "accepted", "coefficients", "scores", "n_evals", "seconds",
@@ -259,15 +261,22 @@ def base_and_targets(results: dict[str, Any], pairs: Pairs, cell: dict[str, Any]
 # --------------------------------------------------------------------------- one run
 
 
+def scratch_folder(study: str, name: str) -> str:
+    """Where a study's run ``name`` writes its checkpoint and metrics: ``run`` deletes it once
+    the record is taken (a final checkpoint of the 135M model is ~1.6 GB; a study's dozens of
+    runs filled the disk)."""
+    return f"{SCRATCH}{study}/{name}"
+
+
 def opd_config(study: str, name: str, **fields: Any) -> Any:
-    """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, ``AS_RUN``, no progress bar, and the
-    scratch folder ``/tmp/lookahead-opd-<study>/<name>``; validated here, so that a bad option
-    (or an optimizer not installed) stops the study instead of reading as a crashed run."""
+    """``OPDConfig(**fields)`` with the studies' defaults: ``LOSS``, ``AS_RUN``, no progress bar, and
+    the scratch folder ``scratch_folder(study, name)``; validated here, so that a bad option (or
+    an optimizer not installed) stops the study instead of reading as a crashed run."""
     from lookahead_opd.integrations.opd.config import OPDConfig
     from lookahead_opd.integrations.opd.train import check_run
 
     config = OPDConfig(**{"loss": LOSS, "progress": False, **AS_RUN,
-                          "output_dir": f"/tmp/lookahead-opd-{study}/{name}", **fields})
+                          "output_dir": scratch_folder(study, name), **fields})
     check_run(config, check_paths=False)
     return config
 
@@ -474,7 +483,8 @@ def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float 
         callbacks: Callable[[torch.nn.Module], list[Any]] | None = None) -> Run:
     """One OPD run of ``config`` from ``pair``'s student (a copy), its record with a
     ``SecantProbe``'s cosines; ``callbacks(model)`` adds the study's own. A crash (NaN weights make sampling fail) or ``time_limit``
-    seconds of training end it with the curve so far: ``crashed`` or ``stopped`` says which."""
+    seconds of training end it with the curve so far: ``crashed`` or ``stopped`` says which.
+    A scratch ``output_dir`` (``scratch_folder``'s) is deleted when the record is taken."""
     from lookahead_opd.demo.compare import run_variant
 
     probes: list[SecantProbe] = []
@@ -503,6 +513,10 @@ def run(config: Any, pair: dict[str, Any], task_spec: str, *, time_limit: float 
     record["train_seconds"] = {str(k): v for k, v in record["train_seconds"].items()}
     record.pop("reverse_kl", None)
     record["wall_seconds"] = time.perf_counter() - t0
+    if str(config.output_dir).startswith(SCRATCH):
+        shutil.rmtree(config.output_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):  # the study's folder, once its last run is gone
+            Path(config.output_dir).parent.rmdir()
     if probes:
         record["secant_cosines"] = probes[0].cosines
         record["tokens_per_step"] = statistics.fmean(probes[0].tokens) if probes[0].tokens else None

@@ -394,7 +394,7 @@ def live_seed(a: argparse.Namespace, models: harness.Pairs, pair: dict[str, Any]
     runs = {}
     for k in (None, patience):
         config = dataclasses.replace(base, patience=k,
-                                     output_dir=f"/tmp/lookahead-opd-{PATIENCE}/{seed}-{k}")
+                                     output_dir=harness.scratch_folder(PATIENCE, f"{seed}-{k}"))
         run = harness.run(config, pair, cell["task"])
         runs[str(k)] = {"evals": run["evals"], "gate_evals": run["gate_evals"],
                         "gate_seconds": run["gate_seconds"], "clock": harness.train_clock(run),

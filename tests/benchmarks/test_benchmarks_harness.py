@@ -6,6 +6,7 @@ study of several parts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,26 @@ def test_a_study_of_parts_runs_one_or_all(tmp_path):
     assert (tmp_path / "toy.md").exists() and calls == [0, 1, 2, 0, 1, 2]
     with pytest.raises(SystemExit):
         harness.main(one, two, argv=["--part", "nope"])
+
+
+def test_a_run_deletes_its_scratch_folder_and_nothing_else(tmp_path, monkeypatch):
+    from lookahead_opd.demo import compare
+
+    def fake_run_variant(config, *args, **kwargs):  # writes a "checkpoint", as a real run does
+        checkpoint = Path(config.output_dir) / "checkpoint-1"
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "model.bin").write_bytes(b"0" * 100)
+        return {"evals": [[0, 0.0]], "train_seconds": {1: 0.1}, "jumps": []}
+
+    monkeypatch.setattr(compare, "run_variant", fake_run_variant)
+    monkeypatch.setattr(harness, "load_task", lambda spec, tokenizer=None: None)
+    pair = {"student": None, "teacher": None, "tokenizer": None}
+    scratch = harness.opd_config(f"test-{tmp_path.name}", "r0", max_steps=1)
+    mine = harness.opd_config(f"test-{tmp_path.name}", "r1", max_steps=1,
+                              output_dir=str(tmp_path / "mine"))
+    for config in (scratch, mine):
+        record = harness.run(config, pair, "unused")
+        assert record["crashed"] is None and record["evals"] == [[0, 0.0]]
+    assert scratch.output_dir.startswith(harness.SCRATCH)
+    assert not Path(scratch.output_dir).exists()
+    assert (tmp_path / "mine" / "checkpoint-1" / "model.bin").exists()  # a caller's folder stays

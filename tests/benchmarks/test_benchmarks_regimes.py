@@ -152,7 +152,7 @@ def test_every_cell_config_is_valid():
                       loss=harness.LOSS, **harness.EFFOPD).validate()
 
 
-def test_retention_gate_rejects_every_jump_past_the_budget():
+def test_retention_gate_rejects_every_jump_past_the_budget(tmp_path):
     """``run_variant(trainer_class=...)`` trains through the subclass: under a base gate whose
     score rises at every call, jumps are kept when the held-out floor is met and none when not."""
     import torch
@@ -170,7 +170,7 @@ def test_retention_gate_rejects_every_jump_past_the_budget():
                         for p in (pair.student_path, pair.teacher_path))
     held = load_task("arithmetic:ops=-")
     held_out = {"task": held, "problems": held.problems("gate", 8)}
-    config = OPDConfig(task="arithmetic", output_dir="/tmp/lookahead-opd-test-retention",
+    config = OPDConfig(task="arithmetic", output_dir=str(tmp_path),
                        max_steps=2, batch_size=4, learning_rate=1e-3, loss=harness.LOSS,
                        eval_every=0, eval_size=8, progress=False,
                        **{**harness.EFFOPD, "gate_size": 8})
