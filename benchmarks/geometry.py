@@ -554,9 +554,8 @@ def findings(results: dict[str, Any]) -> list[str]:
 COLORS = {"opd": "tab:blue", "rl": "tab:red"}
 
 
-def plot_alignment(results: dict[str, Any], names: list[str], plt: Any) -> Any:
+def plot_alignment(results: dict[str, Any], names: list[str], axes: Any) -> None:
     runs = results["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for m in names:
         st = [0] + [x["step"] for x in runs[m]["alignment"]]
         for g, ls in (("all", "-"), ("attn", ":"), ("mlp", "--")):
@@ -575,12 +574,10 @@ def plot_alignment(results: dict[str, Any], names: list[str], plt: Any) -> Any:
     axes[1].set_xlabel("step")
     axes[1].set_ylabel("greedy held-out accuracy")
     axes[1].legend()
-    return fig
 
 
-def plot_norms(results: dict[str, Any], names: list[str], plt: Any) -> Any:
-    runs = results["runs"]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+def plot_norms(results: dict[str, Any], names: list[str], axes: Any) -> None:
+    runs, ax = results["runs"], axes[0]
     groups = [g for g in runs[names[0]]["norms"]["norms"] if g.startswith("layer")]
     width = 0.8 / len(names)
     for i, m in enumerate(names):
@@ -591,12 +588,10 @@ def plot_norms(results: dict[str, Any], names: list[str], plt: Any) -> Any:
     ax.set_ylabel("‖ΔW_T‖F")
     ax.set_title("final update norm by layer and module")
     ax.legend()
-    return fig
 
 
-def plot_rescale(results: dict[str, Any], names: list[str], plt: Any) -> Any:
+def plot_rescale(results: dict[str, Any], names: list[str], axes: Any) -> None:
     runs = results["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for m in names:
         sw = runs[m]["beta_sweep"]
         axes[0].plot([x["beta"] for x in sw], [x["accuracy"] for x in sw], marker="o",
@@ -614,24 +609,17 @@ def plot_rescale(results: dict[str, Any], names: list[str], plt: Any) -> Any:
     axes[1].set_xlabel("checkpoint (fraction of training)")
     axes[1].set_ylabel("greedy accuracy")
     axes[1].legend(fontsize=8)
-    return fig
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [m for m in ("opd", "rl") if m in results["runs"]]
     if not names:
         return
-    for kind, draw in (("alignment", plot_alignment), ("norms", plot_norms),
-                       ("rescale", plot_rescale)):
-        fig = draw(results, names, plt)
-        fig.tight_layout()
-        fig.savefig(Path(a.out) / f"{a.stem}_{kind}.png", dpi=110)
-        plt.close(fig)
+    for kind, draw, cols, width in (("alignment", plot_alignment, 2, 5), ("norms", plot_norms, 1, 7),
+                                    ("rescale", plot_rescale, 2, 5)):
+        with harness.figure(Path(a.out) / f"{a.stem}_{kind}.png", cols,
+                            panel=(width, 3.8)) as (_, axes):
+            draw(results, names, axes[0])
 
 
 # --------------------------------------------------------------------------- the study

@@ -20,7 +20,8 @@ own questions (which runs, what to compare, the report).
   runs a study of several parts (``--part``);
 - the shared constants: the regime map's cells and run settings, the speed-up study's pairs
   and lr, the real model's names;
-- the steps-to-fraction tables: ``reached``, ``fmt_range``, ``train_clock``, ``gate_share``.
+- the steps-to-fraction tables: ``reached``, ``fmt_range``, ``train_clock``, ``gate_share``;
+- ``figure``: a study's plot, a grid of panels saved and closed in one block.
 """
 
 from __future__ import annotations
@@ -950,3 +951,32 @@ def made_by(results: dict[str, Any], *, threads: bool = True) -> str:
             + f", last at {m.get('git_commit')}, on {m.get('cpu_model')} (torch {m.get('torch')}"
             + (f", {m.get('torch_threads')} thread" if threads else "") + ")")
 
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: the studies write files and need no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@contextlib.contextmanager
+def figure(path: str | Path, cols: int = 1, rows: int = 1, *, panel: tuple[float, float] = (4.2, 4),
+           dpi: int = 110, **subplots: Any) -> Iterator[tuple[Any, Any]]:
+    """``(fig, axes)``: a ``rows`` × ``cols`` grid (``axes[row][col]``) of ``panel``-sized
+    panels, laid out and saved to ``path`` when the block ends, and closed even if it fails."""
+    plt = pyplot()
+    fig, axes = plt.subplots(rows, cols, figsize=(panel[0] * cols, panel[1] * rows),
+                             squeeze=False, **subplots)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

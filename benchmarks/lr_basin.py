@@ -410,29 +410,22 @@ def verdict(a: argparse.Namespace, s: dict[str, Any]) -> str:
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cells = [c for c in results["summary"].values() if c.get("methods")]
     if not cells:
         return
-    fig, axes = plt.subplots(1, len(cells), figsize=(5 * len(cells), 4), squeeze=False)
-    for ax, c in zip(axes[0], cells, strict=True):
-        for m, per in c["methods"].items():
-            fs = sorted(float(f) for f in per)
-            ys = [per[f"{f:g}"]["steps_0.75"][0] for f in fs]
-            ax.plot(fs, [a.max_steps * 1.1 if y is None else y for y in ys], marker="o", label=m)
-        ax.set_xscale("log", base=2)
-        ax.axhline(a.max_steps, color="gray", ls=":")
-        ax.set_xlabel("starting lr / AdamW's best lr")
-        ax.set_ylabel("steps to 75% of the gain (above the line: not reached)")
-        ax.set_title(c["cell"], fontsize=9)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
-    plt.close(fig)
+    with harness.figure(f"{a.out}/{a.stem}.png", len(cells), panel=(5, 4)) as (_, axes):
+        for ax, c in zip(axes[0], cells, strict=True):
+            for m, per in c["methods"].items():
+                fs = sorted(float(f) for f in per)
+                ys = [per[f"{f:g}"]["steps_0.75"][0] for f in fs]
+                ax.plot(fs, [a.max_steps * 1.1 if y is None else y for y in ys], marker="o",
+                        label=m)
+            ax.set_xscale("log", base=2)
+            ax.axhline(a.max_steps, color="gray", ls=":")
+            ax.set_xlabel("starting lr / AdamW's best lr")
+            ax.set_ylabel("steps to 75% of the gain (above the line: not reached)")
+            ax.set_title(c["cell"], fontsize=9)
+            ax.legend(fontsize=7)
 
 
 # --------------------------------------------------------------------------- the study

@@ -832,11 +832,7 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     """One panel per lr of the confirmation: seed 0's held-out KL of plain, EffOPD as it was
     and every variant run there (the default bold), each labelled with the c it kept: where a
     kept jump leads early and trails later is seen at a glance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     names = ["plain", "effopd", *VARIANTS]
     # one colour per variant in every panel; plain drawn thin on top, so that a default that
     # kept nothing (and so is plain) shows as plain inside a wider line
@@ -847,22 +843,19 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     panels = [(lr, runs) for lr, runs in panels if runs]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False)
-    for ax, (lr, runs) in zip(axes[0], panels, strict=True):
-        for n, r in runs:
-            kept = ", ".join(f"{j['accepted']:g}" for j in r["jumps"] if j["accepted"] is not None)
-            style = ({"color": "black", "lw": 1.2, "zorder": 5} if n == "plain" else
-                     {"color": "tab:red", "lw": 2, "ls": "--"} if n == "effopd" else
-                     {"color": colour[n], "lw": 3.5 if n == a.default else 1.2})
-            label = {"plain": "plain", "effopd": "EffOPD (before)"}.get(n, n)
-            ax.plot(*zip(*r["kl"], strict=True), label=f"{label}" + (f" (c: {kept})" if kept else ""),
-                    **style)
-        ax.set(title=f"lr {lr:g}", xlabel="step", yscale="log")
-        ax.legend(fontsize=6)
-    axes[0][0].set_ylabel("held-out reverse KL to the teacher (seed 0)")
-    fig.tight_layout()
-    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
-    plt.close(fig)
+    with harness.figure(f"{a.out}/{a.stem}.png", len(panels)) as (_, axes):
+        for ax, (lr, runs) in zip(axes[0], panels, strict=True):
+            for n, r in runs:
+                kept = ", ".join(f"{j['accepted']:g}" for j in r["jumps"] if j["accepted"] is not None)
+                style = ({"color": "black", "lw": 1.2, "zorder": 5} if n == "plain" else
+                         {"color": "tab:red", "lw": 2, "ls": "--"} if n == "effopd" else
+                         {"color": colour[n], "lw": 3.5 if n == a.default else 1.2})
+                label = {"plain": "plain", "effopd": "EffOPD (before)"}.get(n, n)
+                ax.plot(*zip(*r["kl"], strict=True), label=f"{label}" + (f" (c: {kept})" if kept else ""),
+                        **style)
+            ax.set(title=f"lr {lr:g}", xlabel="step", yscale="log")
+            ax.legend(fontsize=6)
+        axes[0][0].set_ylabel("held-out reverse KL to the teacher (seed 0)")
 
 
 def prepare(a: argparse.Namespace, store: harness.Store) -> tuple[Any, ...]:

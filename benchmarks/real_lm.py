@@ -548,36 +548,30 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = [r for r in results["runs"].values() if r["seed"] == 0 and r["method"] in METHODS]
     if not runs:
         return
-    fig, (kl_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    lrs = sorted({r["lr"] for r in runs})
-    colors = {lr: plt.cm.viridis(i / max(1, len(lrs) - 1)) for i, lr in enumerate(lrs)}
-    for r in sorted(runs, key=lambda r: (r["part"], r["lr"], r["method"])):
-        style = {"color": colors[r["lr"]], "ls": "-" if r["method"] == "plain" else "--",
-                 "marker": "o" if r["part"] == "full" else None, "ms": 3}
-        label = f"{r['part']} {r['method']} {r['lr']:g}"
-        if r["kl"]:
-            kl_ax.plot(*zip(*r["kl"], strict=True), label=label, **style)
-        if r["evals"]:
-            acc_ax.plot(*zip(*r["evals"], strict=True), **style)
-    kl_ax.set(xlabel="step", ylabel="held-out reverse KL to the teacher", yscale="log")
-    acc_ax.set(xlabel="step", ylabel="greedy accuracy")
-    acc_ax.axhline(results["teacher_accuracy"], color="gray", ls=":", label="teacher")
-    kl_ax.legend(fontsize=6)
-    acc_ax.legend(fontsize=6)
-    fig.suptitle("seed 0: plain (solid) vs EffOPD (dashed); "
-                 + ("dots: every block trained" if a.top_blocks else "every block trained"),
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
-    plt.close(fig)
+    plt = harness.pyplot()
+    with harness.figure(f"{a.out}/{a.stem}.png", 2, panel=(5.5, 4)) as (fig, axes):
+        kl_ax, acc_ax = axes[0]
+        lrs = sorted({r["lr"] for r in runs})
+        colors = {lr: plt.cm.viridis(i / max(1, len(lrs) - 1)) for i, lr in enumerate(lrs)}
+        for r in sorted(runs, key=lambda r: (r["part"], r["lr"], r["method"])):
+            style = {"color": colors[r["lr"]], "ls": "-" if r["method"] == "plain" else "--",
+                     "marker": "o" if r["part"] == "full" else None, "ms": 3}
+            label = f"{r['part']} {r['method']} {r['lr']:g}"
+            if r["kl"]:
+                kl_ax.plot(*zip(*r["kl"], strict=True), label=label, **style)
+            if r["evals"]:
+                acc_ax.plot(*zip(*r["evals"], strict=True), **style)
+        kl_ax.set(xlabel="step", ylabel="held-out reverse KL to the teacher", yscale="log")
+        acc_ax.set(xlabel="step", ylabel="greedy accuracy")
+        acc_ax.axhline(results["teacher_accuracy"], color="gray", ls=":", label="teacher")
+        kl_ax.legend(fontsize=6)
+        acc_ax.legend(fontsize=6)
+        fig.suptitle("seed 0: plain (solid) vs EffOPD (dashed); "
+                     + ("dots: every block trained" if a.top_blocks else "every block trained"),
+                     fontsize=9)
 
 
 def probe_report(a: argparse.Namespace, results: dict[str, Any]) -> str:

@@ -647,10 +647,6 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
     """Heat map: rows teacher/optimizer, columns tokens-per-step level; colour the smallest
     paired-seed step ratio (plain ÷ EffOPD) at the verdict's fraction; text the ratios and
     B_noise; gray: not run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     s = results["summary"]
@@ -658,33 +654,32 @@ def plot(a: argparse.Namespace, results: dict[str, Any], out: Path) -> None:
                     key=lambda lv: list(LEVELS).index(lv) if lv in LEVELS else len(LEVELS))
     rows = list(dict.fromkeys(f"{c['teacher']}/{c['optimizer']}" for c in s.values()))
     grid = np.full((len(rows), len(levels)), np.nan)
-    fig, ax = plt.subplots(figsize=(2.6 * len(levels) + 2, 1.1 * len(rows) + 1.5))
-    for c in s.values():
-        i, j = rows.index(f"{c['teacher']}/{c['optimizer']}"), levels.index(c["level"])
-        f = c.get("verdict_fraction")
-        text = c["status"] if c["status"] in ("not run", "partial") else (
-            "no ratio: 50% of the gain\nnot reached by both")
-        if c["kind"] == "retention" and c["status"] == "partial":
-            text = f"no run kept the held-out\ntask within {100 * RETENTION_BUDGET:g} points"
-        if f is not None:
-            vals = [v for v in c["ratios"][f"steps_{f:g}"] if v is not None]
-            grid[i, j] = min(vals)
-            text = (f"{'/'.join(f'{v:.2f}' for v in vals)}× @{f:.0%}\n"
-                    f"{'counts' if c['counts'] else 'not counted'}")
-        if c.get("noise"):
-            text += f"\nB_noise {c['noise']['b_noise_rows']:.0f} prompts"
-        ax.text(j, i, text, ha="center", va="center", fontsize=7)
-    cmap = matplotlib.colormaps["RdBu"].with_extremes(bad="lightgray")
-    im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.5, vmax=1.5, aspect="auto")
-    ax.set_xticks(range(len(levels)), levels)
-    ax.set_yticks(range(len(rows)), rows)
-    ax.set_xlabel("task / prompts per step")
-    ax.set_title("EffOPD speed-up in steps over plain OPD, each at its best lr\n"
-                 "(colour: worst paired seed; >1 EffOPD faster; gray: not run)", fontsize=9)
-    fig.colorbar(im, ax=ax, label="plain ÷ EffOPD steps (worst seed)")
-    fig.tight_layout()
-    fig.savefig(out / f"{a.stem}_map.png", dpi=110)
-    plt.close(fig)
+    size = (2.6 * len(levels) + 2, 1.1 * len(rows) + 1.5)
+    with harness.figure(out / f"{a.stem}_map.png", panel=size) as (fig, axes):
+        ax = axes[0][0]
+        for c in s.values():
+            i, j = rows.index(f"{c['teacher']}/{c['optimizer']}"), levels.index(c["level"])
+            f = c.get("verdict_fraction")
+            text = c["status"] if c["status"] in ("not run", "partial") else (
+                "no ratio: 50% of the gain\nnot reached by both")
+            if c["kind"] == "retention" and c["status"] == "partial":
+                text = f"no run kept the held-out\ntask within {100 * RETENTION_BUDGET:g} points"
+            if f is not None:
+                vals = [v for v in c["ratios"][f"steps_{f:g}"] if v is not None]
+                grid[i, j] = min(vals)
+                text = (f"{'/'.join(f'{v:.2f}' for v in vals)}× @{f:.0%}\n"
+                        f"{'counts' if c['counts'] else 'not counted'}")
+            if c.get("noise"):
+                text += f"\nB_noise {c['noise']['b_noise_rows']:.0f} prompts"
+            ax.text(j, i, text, ha="center", va="center", fontsize=7)
+        cmap = harness.pyplot().get_cmap("RdBu").with_extremes(bad="lightgray")
+        im = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.5, vmax=1.5, aspect="auto")
+        ax.set_xticks(range(len(levels)), levels)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel("task / prompts per step")
+        ax.set_title("EffOPD speed-up in steps over plain OPD, each at its best lr\n"
+                     "(colour: worst paired seed; >1 EffOPD faster; gray: not run)", fontsize=9)
+        fig.colorbar(im, ax=ax, label="plain ÷ EffOPD steps (worst seed)")
 
 
 # --------------------------------------------------------------------------- the study

@@ -287,35 +287,25 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
-    path = Path(a.out) / f"{a.stem}.png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
     if not runs_of(results):
         return
     lrs = sorted({r["lr"] for r in runs_of(results)})
-    fig, axes = plt.subplots(2, len(lrs), figsize=(4.5 * len(lrs), 6.5), squeeze=False)
-    for col, lr in enumerate(lrs):
-        for r in (r for r in runs_of(results) if r["lr"] == lr):
-            ax_acc, ax_kl = axes[0][col], axes[1][col]
-            line, = ax_acc.plot(*zip(*r["evals"], strict=True), marker=".", label=r["name"])
-            ax_kl.plot(*zip(*r["reverse_kl"], strict=True), color=line.get_color(), label=r["name"])
-            for st, _c in r["summary"]["accepted"]:
-                ax_acc.axvline(st, color=line.get_color(), ls="--", alpha=0.4)
-        axes[0][col].axhline(results["target_accuracy"], color="gray", ls=":")
-        axes[0][col].set_title(f"lr {lr:g}")
-        axes[0][col].set_ylabel("greedy test accuracy")
-        axes[1][col].set_ylabel("reverse KL (train rollouts)")
-        axes[1][col].set_yscale("log")
-        axes[1][col].set_xlabel("OPD step")
-        axes[0][col].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(Path(a.out) / f"{a.stem}.png", len(lrs), 2,
+                        panel=(4.5, 3.25)) as (_, axes):
+        for col, lr in enumerate(lrs):
+            for r in (r for r in runs_of(results) if r["lr"] == lr):
+                ax_acc, ax_kl = axes[0][col], axes[1][col]
+                line, = ax_acc.plot(*zip(*r["evals"], strict=True), marker=".", label=r["name"])
+                ax_kl.plot(*zip(*r["reverse_kl"], strict=True), color=line.get_color(), label=r["name"])
+                for st, _c in r["summary"]["accepted"]:
+                    ax_acc.axvline(st, color=line.get_color(), ls="--", alpha=0.4)
+            axes[0][col].axhline(results["target_accuracy"], color="gray", ls=":")
+            axes[0][col].set_title(f"lr {lr:g}")
+            axes[0][col].set_ylabel("greedy test accuracy")
+            axes[1][col].set_ylabel("reverse KL (train rollouts)")
+            axes[1][col].set_yscale("log")
+            axes[1][col].set_xlabel("OPD step")
+            axes[0][col].legend(fontsize=7)
 
 
 # --------------------------------------------------------------------------- the study

@@ -322,59 +322,50 @@ def report(a: argparse.Namespace, results: dict[str, Any]) -> str:
 
 
 def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
-    out = Path(a.out)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    out, plt = Path(a.out), harness.pyplot()
     runs, s = results["runs"], results["summary"]
     groups = [g for g in GROUPS if any(v["group"] == g for v in s.values())]
-    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, group in zip(axes[0], groups, strict=True):
-        for name, v in s.items():
-            if v["group"] != group:
-                continue
-            curves = [runs[f"{name}/{seed}"]["evals"] for seed in v["seeds"]]
-            steps = [e[0] for e in curves[0]]
-            mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(steps))]
-            line, = ax.plot(steps, mean, label=name, lw=1.2)
-            for js in v["accepted_jumps"][:1]:  # the first seed's kept jumps
-                for st, _c in js:
-                    ax.axvline(st, color=line.get_color(), ls=":", alpha=0.5)
-        ax.set_title(group)
-        ax.set_xlabel("OPD step")
-        ax.set_ylabel("greedy accuracy (mean over seeds)")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / f"{a.stem}_accuracy.png", dpi=110)
-    plt.close(fig)
+    with harness.figure(out / f"{a.stem}_accuracy.png", len(groups), panel=(5, 4)) as (_, axes):
+        for ax, group in zip(axes[0], groups, strict=True):
+            for name, v in s.items():
+                if v["group"] != group:
+                    continue
+                curves = [runs[f"{name}/{seed}"]["evals"] for seed in v["seeds"]]
+                steps = [e[0] for e in curves[0]]
+                mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(steps))]
+                line, = ax.plot(steps, mean, label=name, lw=1.2)
+                for js in v["accepted_jumps"][:1]:  # the first seed's kept jumps
+                    for st, _c in js:
+                        ax.axvline(st, color=line.get_color(), ls=":", alpha=0.5)
+            ax.set_title(group)
+            ax.set_xlabel("OPD step")
+            ax.set_ylabel("greedy accuracy (mean over seeds)")
+            ax.legend(fontsize=6)
 
     names = [n for n, v in s.items() if n != _plain_for(n)]
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(names)), 4.5))
-    for offset, key, color in ((-0.2, "steps_to_target", "tab:blue"),
-                               (0.2, "steps_to_low_target", "tab:orange")):
-        for i, name in enumerate(names):
-            plain, v = s.get(_plain_for(name)), s[name]
-            if plain is None:
-                continue
-            pairs = [(plain[key][plain["seeds"].index(sd)], v[key][v["seeds"].index(sd)])
-                     for sd in v["seeds"] if sd in plain["seeds"]]
-            ratios = [p / w for p, w in pairs if p is not None and w is not None]
-            if not ratios:
-                continue
-            mean = statistics.fmean(ratios)
-            ax.bar(i + offset, mean, width=0.4, color=color)
-            ax.errorbar(i + offset, mean, yerr=[[mean - min(ratios)], [max(ratios) - mean]],
-                        color="black", capsize=2)
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
-              ["to 0.9× teacher", f"to {LOW_FRACTION:g}× teacher"], fontsize=7)
-    ax.axhline(1.0, color="gray", ls=":")
-    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("speed-up in steps vs plain OPD\n(per-seed ratios, mean and min–max)")
-    fig.tight_layout()
-    fig.savefig(out / f"{a.stem}_bars.png", dpi=110)
-    plt.close(fig)
+    with harness.figure(out / f"{a.stem}_bars.png",
+                        panel=(max(6, 0.5 * len(names)), 4.5)) as (_, axes):
+        ax = axes[0][0]
+        for offset, key, color in ((-0.2, "steps_to_target", "tab:blue"),
+                                   (0.2, "steps_to_low_target", "tab:orange")):
+            for i, name in enumerate(names):
+                plain, v = s.get(_plain_for(name)), s[name]
+                if plain is None:
+                    continue
+                pairs = [(plain[key][plain["seeds"].index(sd)], v[key][v["seeds"].index(sd)])
+                         for sd in v["seeds"] if sd in plain["seeds"]]
+                ratios = [p / w for p, w in pairs if p is not None and w is not None]
+                if not ratios:
+                    continue
+                mean = statistics.fmean(ratios)
+                ax.bar(i + offset, mean, width=0.4, color=color)
+                ax.errorbar(i + offset, mean, yerr=[[mean - min(ratios)], [max(ratios) - mean]],
+                            color="black", capsize=2)
+        ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")],
+                  ["to 0.9× teacher", f"to {LOW_FRACTION:g}× teacher"], fontsize=7)
+        ax.axhline(1.0, color="gray", ls=":")
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("speed-up in steps vs plain OPD\n(per-seed ratios, mean and min–max)")
 
 
 # --------------------------------------------------------------------------- the study

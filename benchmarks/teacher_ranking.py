@@ -708,34 +708,25 @@ def plot(a_: argparse.Namespace, d: dict[str, Any]) -> None:
     teacher: where the two panels differ is what the diagnostic adds."""
     if not d.get("analysis"):
         return
-    try:
-        import matplotlib
-    except ImportError:
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     a = d["analysis"]
     names = a["teachers"]
     gain = [a["gain"][n]["mean"] for n in names]
     err = [a["gain"][n]["sem"] or 0.0 for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
-    for ax, score in zip(axes, ("alignment", ACCURACY), strict=True):
-        if score not in a["scores"]:
-            continue
-        x = [np.nan if (v := a["scores"][score]["values"][n]) is None else v for n in names]
-        ax.errorbar(x, gain, yerr=err, fmt="o", capsize=3)
-        for xi, yi, n in zip(x, gain, names, strict=True):
-            ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        v = a["scores"][score]
-        ax.set_xlabel(f"{score} (ρ = {_fmt(v['rho'], 2)}, 95% {_ci(v['rho_ci'])})")
-        ax.axhline(0, color="grey", lw=0.5)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
-    fig.suptitle("Realised OPD gain per teacher: the diagnostic vs the teacher's own accuracy")
-    fig.tight_layout()
-    fig.savefig(Path(a_.out) / f"{a_.stem}.png", dpi=120)
-    plt.close(fig)
+    with harness.figure(Path(a_.out) / f"{a_.stem}.png", 2, panel=(5, 4.2), dpi=120,
+                        sharey=True) as (fig, axes):
+        for ax, score in zip(axes[0], ("alignment", ACCURACY), strict=True):
+            if score not in a["scores"]:
+                continue
+            x = [np.nan if (v := a["scores"][score]["values"][n]) is None else v for n in names]
+            ax.errorbar(x, gain, yerr=err, fmt="o", capsize=3)
+            for xi, yi, n in zip(x, gain, names, strict=True):
+                ax.annotate(n, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            v = a["scores"][score]
+            ax.set_xlabel(f"{score} (ρ = {_fmt(v['rho'], 2)}, 95% {_ci(v['rho_ci'])})")
+            ax.axhline(0, color="grey", lw=0.5)
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel("OPD gain in greedy accuracy (mean ± s.e.m.)")
+        fig.suptitle("Realised OPD gain per teacher: the diagnostic vs the teacher's own accuracy")
 
 
 STUDY = harness.Study(

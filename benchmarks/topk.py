@@ -246,26 +246,18 @@ def plot(a: argparse.Namespace, results: dict[str, Any]) -> None:
     ks = [r for r in runs if r["k"] is not None]
     if not ks:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lr, seeds = ks[0]["lr"], sorted({r["seed"] for r in ks})
-    fig, axes = plt.subplots(1, len(seeds), figsize=(4.2 * len(seeds), 4), squeeze=False)
-    for ax, seed in zip(axes[0], seeds, strict=True):
-        mine = sorted((r for r in runs if r["lr"] == lr and r["seed"] == seed),
-                      key=lambda r: -1 if r["k"] is None else r["k"])
-        for r in mine:  # the full loss wide and grey underneath: a top-k run on it shows
-            ax.plot(*zip(*r["kl"], strict=True), lw=5 if r["k"] is None else 1.3,
-                    color="0.75" if r["k"] is None else None,
-                    label="full vocabulary" if r["k"] is None else f"top-{r['k']} + tail")
-        ax.set(title=f"seed {seed}, lr {lr:g}", xlabel="step", yscale="log")
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("held-out full reverse KL to the teacher")
-    fig.tight_layout()
-    fig.savefig(f"{a.out}/{a.stem}.png", dpi=110)
-    plt.close(fig)
+    with harness.figure(f"{a.out}/{a.stem}.png", len(seeds)) as (_, axes):
+        for ax, seed in zip(axes[0], seeds, strict=True):
+            mine = sorted((r for r in runs if r["lr"] == lr and r["seed"] == seed),
+                          key=lambda r: -1 if r["k"] is None else r["k"])
+            for r in mine:  # the full loss wide and grey underneath: a top-k run on it shows
+                ax.plot(*zip(*r["kl"], strict=True), lw=5 if r["k"] is None else 1.3,
+                        color="0.75" if r["k"] is None else None,
+                        label="full vocabulary" if r["k"] is None else f"top-{r['k']} + tail")
+            ax.set(title=f"seed {seed}, lr {lr:g}", xlabel="step", yscale="log")
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("held-out full reverse KL to the teacher")
 
 
 def served(a: argparse.Namespace) -> list[str]:

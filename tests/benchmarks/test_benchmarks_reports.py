@@ -6,6 +6,7 @@ made.)"""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def test_report_only_rewrites_the_committed_report(tmp_path, study, folder, stem
         shutil.copy(committed / f"{name}.json", tmp_path / f"{name}.json")
     assert study.main(["--report-only", "--out", str(tmp_path), *argv]) == 0
     assert (tmp_path / f"{stem}.md").read_bytes() == (committed / f"{stem}.md").read_bytes()
+    # and its figures: every png the committed report shows is drawn again
+    shown = re.findall(r"\]\(([^)/]+\.png)\)", (committed / f"{stem}.md").read_text())
+    assert all((tmp_path / png).stat().st_size > 0 for png in shown), shown
 
 
 def test_every_committed_report_is_checked_or_retired():
