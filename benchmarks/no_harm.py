@@ -368,7 +368,8 @@ def compared(a: argparse.Namespace, results: dict[str, Any], name: str, lr: floa
         end = (d["final_kl"] / plain["final_kl"]
                if d["final_kl"] is not None and plain["final_kl"] else None)
     share = gate_share_until(run, d["kl_steps_0.9"] or a.max_steps)
-    return {"lr": lr, "seed": seed, "name": name, **d, "steps_ratio_0.9": steps,
+    return {"lr": lr, "seed": seed, "name": name, **d, "paired": plain is not None,
+            "steps_ratio_0.9": steps,
             "seconds_ratio_0.9": None if steps is None or share is None else steps * (1 - share),
             "kl_ratio": end, "extra_distance": (run.get("summary") or {}).get("extra_distance")}
 
@@ -403,7 +404,7 @@ def seeds_of(a: argparse.Namespace, results: dict[str, Any], name: str, lr: floa
              plain_lr: float) -> dict[str, Any]:
     """``compared`` over the seeds, its numbers gathered per key (the runs made so far)."""
     runs = [r for s in a.seeds if (r := compared(a, results, name, lr, s, plain_lr))]
-    keys = ("kl_steps_0.9", "final_kl", "final_accuracy", "clock", "gate_share",
+    keys = ("kl_steps_0.9", "final_kl", "final_accuracy", "clock", "gate_share", "paired",
             "steps_ratio_0.9", "seconds_ratio_0.9", "kl_ratio", "extra_distance")
     return {"name": name, "lr": lr, "plain_lr": plain_lr, "seeds": [r["seed"] for r in runs],
             **{k: [r[k] for r in runs] for k in keys}}
@@ -440,18 +441,20 @@ def confirm(a: argparse.Namespace, results: dict[str, Any]) -> list[dict[str, An
     at the same lr, over the seeds made, with the bar of item 3: steps to 90% ≥ 0.95× plain's
     on every seed (both unreached passes), the KL at the cap ≤ 1.05× plain's on every seed,
     and ≥ 1.8× fewer steps (mean) at the smallest lr. A seed that misses the bar is named in
-    ``harmed`` as soon as it is made."""
+    ``harmed`` as soon as it and plain's run beside it are made."""
     out = []
     for name in candidates(a, results):
         rows = []
         for lr in a.confirm_lrs:
             r = seeds_of(a, results, name, lr, lr)
-            complete = len(r["seeds"]) == len(a.seeds)
+            complete = len(r["seeds"]) == len(a.seeds) and all(r["paired"])
             steps = [x for x in r["steps_ratio_0.9"] if x is not None]
             r["harmed"] = [{"seed": s, "steps_ratio_0.9": st, "kl_ratio": kl}
-                           for s, st, kl in zip(r["seeds"], r["steps_ratio_0.9"], r["kl_ratio"],
-                                                strict=True)
-                           if (st is not None and st < 0.95) or kl is None or kl > 1.05]
+                           for s, paired, st, kl in zip(r["seeds"], r["paired"],
+                                                        r["steps_ratio_0.9"], r["kl_ratio"],
+                                                        strict=True)
+                           if paired and ((st is not None and st < 0.95) or kl is None
+                                          or kl > 1.05)]
             r.update(complete=complete, no_harm=complete and not r["harmed"],
                      gain=(complete and lr == min(a.confirm_lrs)
                            and bool(steps) and sum(steps) / len(steps) >= 1.8))

@@ -141,3 +141,24 @@ def test_the_reports_bend_is_what_linearity_reads(scores):
         opt.step()
         kept = opt.history[0].accepted is not None
         assert kept == (ratio is not None and ratio >= q)
+
+
+def test_a_seed_is_judged_only_beside_plains_run(monkeypatch):
+    """A candidate's run whose plain twin is not made yet leaves the row incomplete, unjudged;
+    once plain's is there, a KL ratio that cannot be read (a diverged run) is harm."""
+    import argparse
+
+    a = argparse.Namespace(seeds=(0, 1), confirm_lrs=(1e-5,))
+    monkeypatch.setattr(no_harm, "candidates", lambda a, results: ["late"])
+
+    def judged(paired):
+        row = {"seeds": [0, 1], "paired": paired, "steps_ratio_0.9": [1.0, None],
+               "kl_ratio": [1.0, None]}
+        monkeypatch.setattr(no_harm, "seeds_of", lambda *args: dict(row))
+        ((row,),) = [c["rows"] for c in no_harm.confirm(a, {"runs": {}})]
+        return row
+
+    waiting = judged([True, False])
+    assert waiting["harmed"] == [] and not waiting["complete"] and not waiting["no_harm"]
+    diverged = judged([True, True])
+    assert [h["seed"] for h in diverged["harmed"]] == [1] and diverged["complete"]
