@@ -42,6 +42,8 @@ from typing import Any, TypedDict
 
 import torch
 
+from lookahead_opd import PAPER_RULE
+
 from benchmarks.common import machine_info, previous_results, write_results
 
 ZOO = Path(__file__).resolve().parent / "zoo"  # the committed pairs (a zoo cache folder)
@@ -51,7 +53,7 @@ EFFOPD = dict(extrapolate=True, gate="neg_kl", gate_size=128, coefficients="geom
 # The search's options as every study here ran them before the no-harm study (issue 38) changed
 # the library's defaults: each study's runs keep their meaning, and a report regenerates from a
 # resumed json. A study's own fields override them (no_harm's variants do).
-AS_RUN = dict(back_off=0, linearity=0.0, patience=None, on_jump="keep")
+AS_RUN = dict(PAPER_RULE)
 SCRATCH = "/tmp/lookahead-opd-"  # + "<study>/<run>": each run's checkpoint and metrics, deleted after
 FRACTIONS = (0.5, 0.75, 0.9)  # of the teacher's gain over the base
 # What a run record keeps of each search (``JumpRecord``): enough to replay the gate's bill.

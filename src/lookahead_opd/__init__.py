@@ -10,7 +10,7 @@ demo, its zoo and the torch-only toy) build on it.
 from .distributed import resharding
 from .extrapolator import Extrapolator, JumpRecord, Summary
 from .optimizer import ExtrapolatingOptimizer
-from .options import ExtrapolationOptions
+from .options import PAPER_RULE, ExtrapolationOptions
 from .schedule import Every, PowersOfTwo, Schedule, Steps
 from .snapshot import FullSnapshot, LowRankSnapshot, SnapshotStore
 
@@ -20,6 +20,7 @@ __all__ = [
     "ExtrapolatingOptimizer",
     "Extrapolator",
     "ExtrapolationOptions",
+    "PAPER_RULE",
     "JumpRecord",
     "Summary",
     "Schedule",

@@ -207,7 +207,8 @@ class Extrapolator:
             raise ValueError("lr_follow scales the base optimizer's steps inside "
                              "ExtrapolatingOptimizer.step(); wrap the optimizer in one to use it")
         if o.on_jump == "reset" and optimizer is None:
-            raise ValueError("on_jump='reset' needs the optimizer whose state to reset")
+            raise ValueError("on_jump='reset' (the default) needs the optimizer whose state to "
+                             "reset: pass optimizer=, or on_jump='keep'")
         self.eval_fn = eval_fn
         self.mode = o.mode
         self.min_improvement = float(o.min_improvement)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lookahead_opd import Extrapolator
+from lookahead_opd import PAPER_RULE, Extrapolator
 from lookahead_opd.extrapolator_reference import ReferenceExtrapolator
 from lookahead_opd.snapshot import LowRankSnapshot
 
@@ -262,7 +262,7 @@ def test_the_comparison_sees_kept_and_refused_jumps_and_every_low_rank_path(monk
         case = dict(problem=Problem(seed, "quadratic", [(6, 5), (4,), (3, 7)], 1, torch.float32,
                                     frozen=seed % 2), seed=seed, optimizer="sgd", lr=1e-2,
                     noise=0.3 * seed, steps=16, nan_above=None)
-        history = check(case, dict(snapshot="lowrank", rank=2))
+        history = check(case, dict(snapshot="lowrank", rank=2, **PAPER_RULE))
         kept += sum(r.accepted is not None for r in history)
         refused += sum(r.accepted is None for r in history)
     assert kept and refused

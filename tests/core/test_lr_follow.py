@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import batches, make_mlp, params_equal, train
 
-from lookahead_opd import ExtrapolatingOptimizer, Extrapolator
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer, Extrapolator
 from lookahead_opd.options import ExtrapolationOptions
 
 
@@ -29,7 +29,7 @@ class Gate:
 
 def _opt(model, kept, *, lr=0.05, **options):
     return ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=lr), eval_fn=Gate(kept),
-                                  max_candidates=1, **options)
+                                  max_candidates=1, **{**PAPER_RULE, **options})
 
 
 @pytest.mark.parametrize("bad", [1, 0.5, float("inf"), float("nan"), True, "2"])
@@ -44,12 +44,12 @@ def test_lr_follow_must_be_a_cap_above_one(bad):
 def test_only_the_optimizer_can_follow():
     model = make_mlp(0)
     with pytest.raises(ValueError, match="inside ExtrapolatingOptimizer.step"):
-        Extrapolator(list(model.parameters()), lambda: 0.0, lr_follow=4.0)
+        Extrapolator(list(model.parameters()), lambda: 0.0, lr_follow=4.0, **PAPER_RULE)
     pytest.importorskip("transformers")
     from lookahead_opd.integrations.hf_trainer import ExtrapolationCallback
 
     with pytest.raises(ValueError, match="Trainer\\(optimizers="):
-        ExtrapolationCallback(lambda: 0.0, lr_follow=4.0)
+        ExtrapolationCallback(lambda: 0.0, lr_follow=4.0, **PAPER_RULE)
 
 
 @pytest.mark.parametrize("kept, scales", [

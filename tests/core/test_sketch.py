@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from lookahead_opd import Extrapolator
+from lookahead_opd import PAPER_RULE, Extrapolator
 from lookahead_opd.distributed import ShardLayout
 from lookahead_opd.sketch import (
     ACCURACY,
@@ -187,7 +187,7 @@ def _sgd_run(grads, direction="secant", steps=32):
     weights after every step and the extrapolator."""
     w = torch.zeros(5000, requires_grad=True)
     opt = torch.optim.SGD([w], lr=0.1)
-    ex = Extrapolator([w], lambda: 0.0, direction=direction)
+    ex = Extrapolator([w], lambda: 0.0, direction=direction, **PAPER_RULE)
     seen = [w.detach().clone()]
     for t in range(steps):
         w.grad = grads(t)
@@ -254,7 +254,7 @@ def test_averaged_direction_compares_the_window_averages():
 
 def test_sketch_state_is_checked_and_added_params_restart_it():
     w = torch.zeros(10, requires_grad=True)
-    ex = Extrapolator([w], lambda: 0.0)
+    ex = Extrapolator([w], lambda: 0.0, **PAPER_RULE)
     for _ in range(2):
         ex.after_step()
     assert ex.secant.previous is not None
@@ -271,7 +271,7 @@ def test_summary_counts_what_the_searches_bought():
     w = torch.zeros(200, requires_grad=True)
     target = torch.linspace(-1, 1, 200)
     opt = torch.optim.SGD([w], lr=0.01)
-    ex = Extrapolator([w], lambda: -float((w - target).square().sum()))
+    ex = Extrapolator([w], lambda: -float((w - target).square().sum()), **PAPER_RULE)
     jumped = moved = 0.0
     last = w.detach().clone()
     for _ in range(40):
@@ -290,7 +290,7 @@ def test_summary_counts_what_the_searches_bought():
     assert s.mean_secant_cosine == pytest.approx(1.0, abs=1e-6)  # gradient descent on a quadratic
     # ... and a gate that never improves keeps nothing.
     w2 = torch.zeros(10, requires_grad=True)
-    never = Extrapolator([w2], lambda: 0.0)
+    never = Extrapolator([w2], lambda: 0.0, **PAPER_RULE)
     never.after_step()
     assert never.summary().kept_jumps == 0 and never.summary().extra_distance == 0.0
     assert never.summary().mean_secant_cosine is None

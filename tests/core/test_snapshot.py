@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookahead_opd import ExtrapolatingOptimizer, FullSnapshot, LowRankSnapshot
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer, FullSnapshot, LowRankSnapshot
 from lookahead_opd.sketch import sketch_size
 
 
@@ -125,6 +125,7 @@ def test_user_reference_by_name_and_from_a_file(tmp_path):
             snapshot="lowrank",
             rank=1,
             reference=ref,
+            **PAPER_RULE,
         )
         store = opt.extrapolator.store
         assert store.reference_nbytes() == 0
@@ -135,6 +136,7 @@ def test_user_reference_by_name_and_from_a_file(tmp_path):
         ExtrapolatingOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0,
             snapshot="lowrank", rank=1, reference=reference,
+            **PAPER_RULE,
         )
     with pytest.raises(ValueError, match="does not exist"):
         LowRankSnapshot(1, str(tmp_path / "missing.pt"))
@@ -146,6 +148,7 @@ def test_low_rank_state_round_trip_with_a_user_reference_needs_the_reference():
     mk = lambda ref: ExtrapolatingOptimizer(  # noqa: E731
         torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0,
         params=model.named_parameters(), snapshot="lowrank", rank=2, reference=ref,
+        **PAPER_RULE,
     )
     saved = mk(reference).state_dict()
     mk(reference).load_state_dict(saved)
@@ -164,12 +167,12 @@ def test_bad_low_rank_options():
 
 def test_memory_report():
     model = torch.nn.Linear(256, 256)
-    full = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0)
+    full = ExtrapolatingOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, **PAPER_RULE)
     low = ExtrapolatingOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, snapshot="lowrank", rank=4
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, snapshot="lowrank", rank=4, **PAPER_RULE
     )
     avg = ExtrapolatingOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, direction="averaged", offload="cpu"
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, direction="averaged", offload="cpu", **PAPER_RULE
     )
     n = 256 * 256 + 256
     sketch = (sketch_size(n) + 1) * 8  # the previous direction's sketch, float64
@@ -181,7 +184,7 @@ def test_memory_report():
 def test_log_geometry_records_the_direction_metrics():
     model = torch.nn.Linear(8, 8)
     opt = ExtrapolatingOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, log_geometry=True
+        torch.optim.SGD(model.parameters(), lr=0.1), eval_fn=lambda: 0.0, log_geometry=True, **PAPER_RULE
     )
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
@@ -219,7 +222,7 @@ def test_anchor_runs_are_the_anchor_whatever_the_split(store):
 def test_a_refused_search_hands_the_backup_to_the_full_store():
     """After a refused search the anchor is W_t, held in the backup tensor itself (no copy)."""
     w = torch.nn.Parameter(torch.randn(50, 40))
-    opt = ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), eval_fn=lambda: 0.0)
+    opt = ExtrapolatingOptimizer(torch.optim.SGD([w], lr=0.1), eval_fn=lambda: 0.0, **PAPER_RULE)
     w.grad = torch.randn(50, 40)
     opt.step()  # step 1: a search, refused
     store = opt.extrapolator.store
@@ -348,7 +351,7 @@ def test_low_rank_searches_match_captures_of_the_weights(direction):
         model = make_mlp(0)
         opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3),
                                      eval_fn=SeededGate(model), snapshot="lowrank", rank=2,
-                                     direction=direction)
+                                     direction=direction, **PAPER_RULE)
         if not observe:
             opt.extrapolator.store.observe = lambda *a: None
         train(model, opt, batches(0, 20))

@@ -10,7 +10,7 @@ from conftest import batches, make_mlp, params_equal, target, train
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lookahead_opd import ExtrapolatingOptimizer, JumpRecord
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer, JumpRecord
 
 STEPS = 20
 
@@ -42,6 +42,7 @@ def build(snapshot: str, direction: str, optimizer: str = "adamw"):
         snapshot=snapshot,
         rank=2 if snapshot == "lowrank" else None,
         direction=direction,
+        **PAPER_RULE,
     )
     return model, opt
 

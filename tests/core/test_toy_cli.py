@@ -2,6 +2,7 @@
 
 import pytest
 
+from lookahead_opd import PAPER_RULE
 from lookahead_opd.demo.toy import format_result, run_toy
 from lookahead_opd.integrations import cli
 
@@ -17,6 +18,14 @@ def test_toy_jumps_are_accepted_and_help() -> None:
     assert result.wrapped[-1] < result.plain[-1]
     text = format_result(result)
     assert "steps to val loss" in text and "c=" in text
+
+
+def test_where_the_ladders_bend_the_default_is_the_plain_run_and_the_paper_rule_jumps() -> None:
+    result = run_toy(16, lr=0.02)  # the step-1 ladder still improves at c = 16, but bends
+    assert result.jumps and all(r.accepted is None for r in result.jumps)
+    assert result.wrapped == result.plain
+    paper = run_toy(16, lr=0.02, **PAPER_RULE)
+    assert [r.accepted for r in paper.jumps][:1] == [16.0]
 
 
 def test_toy_rejects_bad_steps() -> None:

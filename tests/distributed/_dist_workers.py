@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from lookahead_opd import ExtrapolatingOptimizer
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer
 from lookahead_opd.distributed import resharding
 
 WORLD_SIZE = 2
@@ -148,7 +148,7 @@ def ddp_worker(rank: int, reduce: str, offset, options: dict | None = None) -> d
         return raw[-1]
 
     opt = ExtrapolatingOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), eval_fn, reduce=reduce,
-                                 **(options or {}))
+                                 **{**PAPER_RULE, **(options or {})})
     after: dict[int, dict[str, torch.Tensor]] = {}
     scales: list[float] = []
 
@@ -189,7 +189,7 @@ def fsdp_worker(rank: int, options: dict | None = None) -> dict:
     # no-grad forwards and never see a candidate.
     eval_fn = resharding(model, lambda: gate_score(model, rank))
     opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), eval_fn,
-                                 **(options or {}))
+                                 **{**PAPER_RULE, **(options or {})})
     train(model, opt, rank)
     return {
         "anchors": _anchors(opt),
@@ -227,7 +227,7 @@ def reference_run() -> dict:
     """The FSDP run without FSDP: one process, the whole global batch, the mean gate."""
     model = make_model()
     opt = ExtrapolatingOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=LR), lambda: gate_score(model, None)
+        torch.optim.AdamW(model.parameters(), lr=LR), lambda: gate_score(model, None), **PAPER_RULE
     )
     train(model, opt, None)
     return {"history": [r.to_dict() for r in opt.history], "params": _params(model)}

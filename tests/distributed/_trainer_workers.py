@@ -15,6 +15,8 @@ import torch
 from conftest import tiny_qwen2
 from torch import nn
 
+from lookahead_opd import PAPER_RULE
+
 WORLD_SIZE = 2
 VOCAB = 50
 SEQ = 8
@@ -124,7 +126,7 @@ def trainer_worker(rank: int, tmp: str) -> dict:
 
     spy = AfterEveryStep(model)
     trainer = Trainer(model=model, args=args("eval_fn"), train_dataset=train)
-    cb = ExtrapolationCallback(eval_fn)
+    cb = ExtrapolationCallback(eval_fn, **PAPER_RULE)
     trainer.add_callback(cb)
     trainer.add_callback(spy)
     trainer.train()
@@ -141,7 +143,7 @@ def trainer_worker(rank: int, tmp: str) -> dict:
     gate = Counting(GATE_SIZE, seed=2)
     spy = AfterEveryStep(model)
     trainer = Trainer(model=model, args=args("gate"), train_dataset=Counting(64, seed=1))
-    cb = ExtrapolationCallback(gate_dataset=gate, metric="eval_loss")
+    cb = ExtrapolationCallback(gate_dataset=gate, metric="eval_loss", **PAPER_RULE)
     trainer.add_callback(cb)
     trainer.add_callback(spy)
     trainer.train()

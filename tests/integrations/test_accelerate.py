@@ -16,7 +16,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer  # noqa: E402
 
 STEPS = 8
 ACCUMULATE = 2
@@ -74,7 +74,7 @@ def _run(
             return -F.mse_loss(net(XG), YG).item()
 
     base = torch.optim.AdamW(net.parameters(), lr=0.02)
-    opt = ExtrapolatingOptimizer(base, eval_fn or gate) if wrap else base
+    opt = ExtrapolatingOptimizer(base, eval_fn or gate, **PAPER_RULE) if wrap else base
     sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, total_iters=STEPS)
     loader = DataLoader(TensorDataset(X, Y), batch_size=MICRO, shuffle=False)
     model, popt, loader, psched = accelerator.prepare(net, opt, loader, sched)

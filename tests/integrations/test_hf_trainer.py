@@ -20,7 +20,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer  # noqa: E402
 from lookahead_opd.integrations.hf_trainer import (  # noqa: E402
     STATE_NAME,
     ExtrapolationCallback,
@@ -144,7 +144,7 @@ def test_searches_after_optimizer_steps_not_micro_batches(tmp_path):
         seen.append(trainer.state.global_step)
         return score()
 
-    cb = ExtrapolationCallback(eval_fn)
+    cb = ExtrapolationCallback(eval_fn, **PAPER_RULE)
     trainer.add_callback(cb)
     trainer.add_callback(CountMicro())
     trainer.train()
@@ -170,7 +170,7 @@ def test_never_improving_gate_leaves_training_bit_identical(tmp_path):
         return 0.0
 
     trainer = Trainer(model=model, args=training_args(tmp_path / "b"), train_dataset=TRAIN)
-    cb = ExtrapolationCallback(never_better)
+    cb = ExtrapolationCallback(never_better, **PAPER_RULE)
     trainer.add_callback(cb)
     trainer.train()
     assert [r.step for r in cb.history] == SEARCH_STEPS
@@ -185,7 +185,7 @@ def test_jump_keys_reach_log_history_and_reporters(tmp_path):
     trainer = Trainer(
         model=model, args=training_args(tmp_path), train_dataset=TRAIN, callbacks=[recorder]
     )
-    cb = ExtrapolationCallback(neg_gate_loss(model))
+    cb = ExtrapolationCallback(neg_gate_loss(model), **PAPER_RULE)
     trainer.add_callback(cb)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "extrapolation/accepted" in h]
@@ -224,7 +224,7 @@ def test_gate_dataset_scores_with_trainer_evaluate(tmp_path):
         compute_metrics=next_token_accuracy,
         preprocess_logits_for_metrics=argmax_logits,
     )
-    cb = add_extrapolation(trainer, gate_dataset=GATE, metric="eval_loss")
+    cb = add_extrapolation(trainer, gate_dataset=GATE, metric="eval_loss", **PAPER_RULE)
     assert cb.options["mode"] == "min"  # a loss is minimised
     trainer.train()
     assert [r.step for r in cb.history] == SEARCH_STEPS
@@ -248,7 +248,7 @@ def test_gate_accuracy_metric_names(tmp_path):
         compute_metrics=next_token_accuracy,
         preprocess_logits_for_metrics=argmax_logits,
     )
-    cb = ExtrapolationCallback(gate_dataset=GATE, metric="accuracy", max_candidates=2)
+    cb = ExtrapolationCallback(gate_dataset=GATE, metric="accuracy", max_candidates=2, **PAPER_RULE)
     assert cb.options["mode"] == "max"
     trainer.add_callback(cb)
     trainer.train()
@@ -262,7 +262,7 @@ def test_missing_metric_names_it_and_the_available_ones(tmp_path):
     model = tiny_model()
     before = params_of(model)
     trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=TRAIN)
-    trainer.add_callback(ExtrapolationCallback(gate_dataset=GATE, metric="eval_accuracy"))
+    trainer.add_callback(ExtrapolationCallback(gate_dataset=GATE, metric="eval_accuracy", **PAPER_RULE))
     with pytest.raises(ValueError, match=r"'eval_accuracy'.*gate_loss") as info:
         trainer.train()
     assert "compute_metrics" in str(info.value)
@@ -271,28 +271,28 @@ def test_missing_metric_names_it_and_the_available_ones(tmp_path):
 
 def test_misuse_is_rejected_early():
     with pytest.raises(ValueError, match="exactly one of eval_fn= .* or gate_dataset=.*neither"):
-        ExtrapolationCallback()
+        ExtrapolationCallback(**PAPER_RULE)
     with pytest.raises(ValueError, match="both"):
-        ExtrapolationCallback(lambda: 0.0, gate_dataset=GATE)
+        ExtrapolationCallback(lambda: 0.0, gate_dataset=GATE, **PAPER_RULE)
     with pytest.raises(TypeError, match="callable"):
-        ExtrapolationCallback(1.0)
+        ExtrapolationCallback(1.0, **PAPER_RULE)
     with pytest.raises(TypeError, match="unknown Extrapolator options.*'shedule'"):
-        ExtrapolationCallback(lambda: 0.0, shedule="powers_of_two")
+        ExtrapolationCallback(lambda: 0.0, shedule="powers_of_two", **PAPER_RULE)
     with pytest.raises(TypeError, match="set by ExtrapolationCallback"):
-        ExtrapolationCallback(lambda: 0.0, optimizer=None)
+        ExtrapolationCallback(lambda: 0.0, optimizer=None, **PAPER_RULE)
     with pytest.raises(ValueError, match="mode must be one of"):
-        ExtrapolationCallback(lambda: 0.0, mode="up")
+        ExtrapolationCallback(lambda: 0.0, mode="up", **PAPER_RULE)
     with pytest.raises(ValueError, match="params must be one of"):
-        ExtrapolationCallback(lambda: 0.0, params="everything")
+        ExtrapolationCallback(lambda: 0.0, params="everything", **PAPER_RULE)
 
 
 def test_callback_and_extrapolating_optimizer_together_is_rejected(tmp_path):
     model = tiny_model()
-    opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), lambda: 0.0)
+    opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), lambda: 0.0, **PAPER_RULE)
     trainer = Trainer(
         model=model, args=training_args(tmp_path), train_dataset=TRAIN, optimizers=(opt, None)
     )
-    trainer.add_callback(ExtrapolationCallback(lambda: 0.0))
+    trainer.add_callback(ExtrapolationCallback(lambda: 0.0, **PAPER_RULE))
     with pytest.raises(ValueError, match="already an ExtrapolatingOptimizer"):
         trainer.train()
 
@@ -304,7 +304,7 @@ def test_deepspeed_zero3_placeholders_are_rejected(tmp_path):
     model = tiny_model()
     model.model.embed_tokens.weight.ds_id = 0
     trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=TRAIN)
-    trainer.add_callback(ExtrapolationCallback(lambda: 0.0))
+    trainer.add_callback(ExtrapolationCallback(lambda: 0.0, **PAPER_RULE))
     with pytest.raises(ValueError, match=r"ZeRO-3.*embed_tokens.*ZeRO stage 1 or 2, or FSDP2"):
         trainer.train()
 
@@ -326,12 +326,12 @@ def _run_with_checkpoints(tmp_path, resume_from: str | bool | None = None, make_
     args = training_args(tmp_path, save_strategy="steps", save_steps=3, logging_steps=1)
     score = neg_gate_loss(model)
     if make_opt:
-        opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), score)
+        opt = ExtrapolatingOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), score, **PAPER_RULE)
         trainer = Trainer(model=model, args=args, train_dataset=TRAIN, optimizers=(opt, None))
         holder = opt
     else:
         trainer = Trainer(model=model, args=args, train_dataset=TRAIN)
-        holder = ExtrapolationCallback(score)
+        holder = ExtrapolationCallback(score, **PAPER_RULE)
         trainer.add_callback(holder)
     trainer.train(resume_from_checkpoint=resume_from)
     return model, holder, trainer
@@ -398,6 +398,7 @@ def test_gate_score_as_extrapolating_optimizer_eval_fn(tmp_path):
         lambda: gate_score(trainer, GATE, "eval_loss"),
         mode="min",
         max_candidates=2,
+        **PAPER_RULE,
     )
     trainer = Trainer(
         model=model,

@@ -17,7 +17,7 @@ L = pytest.importorskip("lightning.pytorch")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import Logger  # noqa: E402
 
-from lookahead_opd import ExtrapolatingOptimizer  # noqa: E402
+from lookahead_opd import PAPER_RULE, ExtrapolatingOptimizer  # noqa: E402
 from lookahead_opd.integrations.lightning import ExtrapolationCallback  # noqa: E402
 
 MICRO = 8
@@ -55,7 +55,7 @@ class Regression(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.02)
         if self.wrap_eval_fn is not None:
-            opt = ExtrapolatingOptimizer(opt, self.wrap_eval_fn)
+            opt = ExtrapolatingOptimizer(opt, self.wrap_eval_fn, **PAPER_RULE)
         sched = torch.optim.lr_scheduler.LinearLR(opt, 1.0, 0.1, total_iters=STEPS)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -128,7 +128,7 @@ def test_searches_after_optimizer_steps_and_reach_the_loggers(tmp_path):
         steps_seen.append(trainer.global_step)
         return module.gate_score()
 
-    cb = ExtrapolationCallback(gate)
+    cb = ExtrapolationCallback(gate, **PAPER_RULE)
     recorder = Recorder()
     trainer = _trainer(tmp_path, [cb], logger=recorder)
     trainer.fit(module, _loader())
@@ -166,7 +166,7 @@ def test_never_improving_gate_is_bit_identical(tmp_path):
         calls.append(module.gate_score())  # a real forward in eval mode
         return 0.0
 
-    cb = ExtrapolationCallback(never_better)
+    cb = ExtrapolationCallback(never_better, **PAPER_RULE)
     _trainer(tmp_path / "b", [cb]).fit(module, _loader())
     assert [r.step for r in cb.history] == SEARCH_STEPS
     assert all(r.accepted is None for r in cb.history)
@@ -185,7 +185,7 @@ def _saver(tmp_path) -> ModelCheckpoint:
 
 def _fit(tmp_path, ckpt_path=None, seed=0):
     module = Regression(seed=seed)
-    cb = ExtrapolationCallback(module.gate_score)
+    cb = ExtrapolationCallback(module.gate_score, **PAPER_RULE)
     trainer = _trainer(tmp_path, [cb, _saver(tmp_path)], enable_checkpointing=True)
     trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     return module, cb, trainer
@@ -212,7 +212,7 @@ def test_resume_without_state_continues_the_schedule(tmp_path, caplog):
     _trainer(tmp_path, [_saver(tmp_path)], enable_checkpointing=True).fit(module, _loader())
     ckpt = next(p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=2" in p.name)
     module = Regression()
-    cb = ExtrapolationCallback(module.gate_score)
+    cb = ExtrapolationCallback(module.gate_score, **PAPER_RULE)
     with caplog.at_level(logging.WARNING, logger="lookahead_opd.integrations.lightning"):
         _trainer(tmp_path / "r", [cb]).fit(module, _loader(), ckpt_path=ckpt)
     assert [r.step for r in cb.history] == [4, 8]
@@ -221,15 +221,15 @@ def test_resume_without_state_continues_the_schedule(tmp_path, caplog):
 
 def test_misuse_is_rejected(tmp_path):
     with pytest.raises(TypeError, match="no-argument callable"):
-        ExtrapolationCallback(None)
+        ExtrapolationCallback(None, **PAPER_RULE)
     with pytest.raises(TypeError, match="unknown Extrapolator options.*'shedule'"):
-        ExtrapolationCallback(lambda: 0.0, shedule="powers_of_two")
+        ExtrapolationCallback(lambda: 0.0, shedule="powers_of_two", **PAPER_RULE)
     with pytest.raises(ValueError, match="mode must be one of"):
-        ExtrapolationCallback(lambda: 0.0, mode="up")
+        ExtrapolationCallback(lambda: 0.0, mode="up", **PAPER_RULE)
     with pytest.raises(ValueError, match="params must be one of"):
-        ExtrapolationCallback(lambda: 0.0, params="everything")
+        ExtrapolationCallback(lambda: 0.0, params="everything", **PAPER_RULE)
     module = Regression(wrap_eval_fn=lambda: 0.0)
-    trainer = _trainer(tmp_path, [ExtrapolationCallback(lambda: 0.0)])
+    trainer = _trainer(tmp_path, [ExtrapolationCallback(lambda: 0.0, **PAPER_RULE)])
     with pytest.raises(ValueError, match="already an ExtrapolatingOptimizer"):
         trainer.fit(module, _loader())
 

@@ -10,6 +10,7 @@ from conftest import tiny_qwen2
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lookahead_opd import PAPER_RULE
 from lookahead_opd.integrations.opd.logits import NextTokenLogits, OutputHead, model_logits
 from lookahead_opd.integrations.opd.losses import (
     TokenScores,
@@ -339,7 +340,7 @@ def test_gate_scores_the_teacher_once_with_the_same_decisions(tmp_path, tokenize
     (and again after a resume loads other rollouts), and a run that recomputes them at every
     evaluation takes the same decisions and ends at the same weights."""
     def run(path, recompute):
-        t = _trainer(path, tokenizer, extrapolate=True, gate="neg_kl", max_steps=4)
+        t = _trainer(path, tokenizer, extrapolate=True, gate="neg_kl", max_steps=4, **PAPER_RULE)
         calls = []
         t.teacher.register_forward_hook(lambda *_: calls.append(1))
         if recompute:

@@ -314,6 +314,23 @@ def test_negated_flags_say_what_they_do(command, capsys):
         assert entries[flag] and entries[flag] != positive and "default" not in entries[flag]
 
 
+def test_an_optional_flag_takes_none_and_other_words_stay_errors():
+    from lookahead_opd.integrations.cli import UsageError
+    from lookahead_opd.integrations.cli_support import parse_dataclass
+    from lookahead_opd.integrations.opd.config import OPDConfig
+
+    default = parse_dataclass(OPDConfig, [], prog="train")
+    assert default.patience is not None and default.max_grad_norm is not None
+    off = parse_dataclass(OPDConfig, ["--patience", "none", "--max_grad_norm", "None"],
+                          prog="train")
+    assert off.patience is None and off.max_grad_norm is None
+    assert parse_dataclass(OPDConfig, ["--patience", "2"], prog="train").patience == 2
+    with pytest.raises(UsageError, match="invalid int value: 'never'"):
+        parse_dataclass(OPDConfig, ["--patience", "never"], prog="train")
+    with pytest.raises(UsageError, match="invalid float value: 'none'"):  # not optional
+        parse_dataclass(OPDConfig, ["--learning_rate", "none"], prog="train")
+
+
 def test_local_start_in_help_and_readme(capsys):
     from lookahead_opd.integrations.opd.train import LOCAL_START
 

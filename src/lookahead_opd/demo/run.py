@@ -39,7 +39,7 @@ from lookahead_opd.integrations.cli_support import (
     quiet_loading_bars,
 )
 from lookahead_opd.integrations.opd.config import OPDConfig, with_defaults
-from lookahead_opd.options import option
+from lookahead_opd.options import PAPER_RULE, option
 
 from .zoo import TEACHER_REGIMES, ZOO_SIZES
 
@@ -52,12 +52,11 @@ __all__ = ["DemoConfig", "check_demo", "run_demo", "main", "format_table", "conc
 # reverse_kl_pg barely learns this task), no lr warm-up (early kept jumps mostly made up for a
 # warm-up, regimes-nowarmup), greedy accuracy every 4 steps on the whole test split (973
 # problems; ``eval_size`` is capped at the split), EffOPD gated on −reverse KL over 128 fixed rollouts, a 300-step cap,
-# and the search as that report ran it (no back-off, no patience, the optimizer's state kept:
-# the defaults before issue 38).
+# and the search as that report ran it: ``PAPER_RULE``, the defaults before issue 38.
 _DemoDefaults = with_defaults(OPDConfig, output_dir="runs/demo", max_steps=300, batch_size=512,
                               learning_rate=5e-4, warmup_steps=0, loss="reverse_kl",
                               eval_every=4, eval_size=1000, gate="neg_kl", gate_size=128,
-                              back_off=0, linearity=0.0, patience=None, on_jump="keep")
+                              **PAPER_RULE)
 FOLLOW_CAP = 32.0  # lr_follow's cap in benchmarks/lr_basin.py: enough to climb from best/32
 HEADLINE_FRACTION = 0.75  # of the gain: the lr basin report's headline target (or the stop's, if lower)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +43,10 @@ def _model(seed: int, dim: int) -> nn.Module:
     return nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, 1))
 
 
-def run_toy(steps: int = 256, *, lr: float = 0.02, seed: int = 0, dim: int = 16) -> ToyResult:
-    """Train the same initial model twice on the same batches: plain SGD, then wrapped."""
+def run_toy(steps: int = 256, *, lr: float = 0.005, seed: int = 0, dim: int = 16,
+            **options: Any) -> ToyResult:
+    """Train the same initial model twice on the same batches: plain SGD, then wrapped (with
+    ``ExtrapolatingOptimizer``'s keyword ``options``)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     x_train, y_train, x_val, y_val = _data(seed, dim)
@@ -58,7 +61,7 @@ def run_toy(steps: int = 256, *, lr: float = 0.02, seed: int = 0, dim: int = 16)
 
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         if wrap:
-            opt = ExtrapolatingOptimizer(opt, eval_fn=val_loss, mode="min")
+            opt = ExtrapolatingOptimizer(opt, eval_fn=val_loss, mode="min", **options)
         batches = torch.Generator().manual_seed(seed + 2)
         losses = [val_loss()]
         for _ in range(steps):
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = ArgumentParser(prog="lookahead-opd toy", description=__doc__)
     parser.add_argument("--steps", type=int, default=256, help="SGD steps of each run")
-    parser.add_argument("--lr", type=float, default=0.02, help="SGD learning rate")
+    parser.add_argument("--lr", type=float, default=0.005, help="SGD learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, init and batches")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (one was faster than torch's default on a shared "

@@ -118,14 +118,24 @@ def quiet_loading_bars() -> None:
     huggingface_hub.utils.disable_progress_bars()
 
 
+def _or_none(convert: Any) -> Any:
+    """``convert``, except that ``none`` (any case) is ``None``: the value that turns off an
+    option whose default is on."""
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")  # argparse's "invalid int value"
+    return parse
+
+
 def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
                     defaults: dict[str, Any] | None = None, epilog: str | None = None) -> Any:
     """An instance of the config dataclass ``cls`` from command-line ``args``, one flag per
     field (``transformers.HfArgumentParser``, TRL's convention), ``defaults`` replacing the
     fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
     checked by the config itself, with its own messages. A parse error is one line (a
-    ``UsageError``), ``--flag -1e-3`` is a negative number, and ``--no_x`` says what it does
-    (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
+    ``UsageError``), ``--flag -1e-3`` is a negative number, an optional field takes ``none``
+    (``--patience none``), and ``--no_x`` says what it does (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
     named in ``cls.CLI_HIDDEN`` (ones the command sets itself) get no flag and keep their
     defaults."""
     import argparse
@@ -151,7 +161,11 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
     parser = Parser(plain, prog=prog, epilog=epilog, formatter_class=Formatter)
     if defaults:
         parser.set_defaults(**defaults)
-    for action in parser._actions:  # HfArgumentParser gives --no_x the help of --x
+    for action in parser._actions:
+        optional = action.dest in fields and type(None) in typing.get_args(hints[action.dest])
+        if optional and callable(action.type):  # --patience none: a default turned off
+            action.type = _or_none(action.type)
+        # HfArgumentParser gives --no_x the help of --x
         if isinstance(action, argparse._StoreFalseAction) and action.dest in fields:
             meta = fields[action.dest].metadata
             action.help = meta.get("negated_help") or f"turn off: {meta.get('help', '')}"

@@ -290,8 +290,13 @@ class OPDConfig(EffOPDOptions):
                              "has none to shard")
 
     def extrapolation_options(self) -> dict[str, Any]:
-        """The ``ExtrapolatingOptimizer`` keyword options this config sets."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(EffOPDOptions)}
+        """The ``ExtrapolatingOptimizer`` keyword options this config sets. ``gate="none"`` is
+        the fixed jump: its score only rises, so ``linearity``, which reads the ladder's shape
+        from the scores, is off there (it would keep nothing)."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(EffOPDOptions)}
+        if self.gate == "none":
+            options["linearity"] = 0.0
+        return options
 
     def loss_options(self) -> dict[str, Any]:
         """The options the losses read (``LOSS_OPTIONS``), by name: what
