@@ -4,6 +4,7 @@ micro-batches each, so searches happen after optimizer steps 1, 2, 4 and 8."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 
@@ -371,6 +372,26 @@ def test_resume_without_saved_state_continues_the_schedule(tmp_path, caplog):
         trainer.train(resume_from_checkpoint=os.path.join(tmp_path, "out", "checkpoint-3"))
     assert [r.step for r in cb.history] == [4, 8]
     assert "found no extrapolation_state.pt" in caplog.text
+
+
+def test_the_default_rule_keeps_a_linear_ladder_and_resets_the_trainers_adam_state(tmp_path):
+    """The callback's defaults: a ladder whose gain is linear in c keeps c = 16, and the jump
+    restarts the state of the optimizer the Trainer built (Accelerate's wrapper around AdamW),
+    which the next step begins again from step 1."""
+    model = tiny_model()
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=TRAIN)
+    ladder = itertools.cycle([0.0, 1.0, 2.0, 4.0, 8.0, 16.0])  # W_t, then the score is c
+    cb = add_extrapolation(trainer, ladder.__next__, schedule=[2])
+    seen = []  # after each step (and its search): how many state entries the optimizer holds
+
+    class Spy(TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            seen.append(sum(len(state) for state in trainer.optimizer.state.values()))
+
+    trainer.add_callback(Spy())
+    trainer.train()
+    assert [(r.step, r.accepted) for r in cb.history] == [(2, 16.0)]
+    assert seen[0] > 0 and seen[1] == 0  # AdamW's moments, then none after the jump
 
 
 # ---------------------------------------------------------------------- Trainer(optimizers=...)
