@@ -15,7 +15,10 @@ After every optimizer step call ``after_step()``. At a scheduled step ``t`` it
    unit of c is at least q times the rung's before);
 4. leaves the best weights in place bit-exactly and makes them the next anchor.
 
-The optimizer's state and step count are left alone unless ``on_jump="reset"``.
+After a kept jump ``on_jump="reset"`` (the default) clears the optimizer's state of the jumped
+parameters; ``on_jump="keep"`` leaves the state and step count alone. The defaults
+(``linearity=0.5``, ``on_jump="reset"``, ``patience=3``) keep a jump only where the lr reads far
+too small; ``PAPER_RULE`` (``lookahead_opd.options``) is the paper's rule.
 """
 
 from __future__ import annotations
