@@ -14,6 +14,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from . import distributed
@@ -32,14 +33,14 @@ __all__ = ["ExtrapolationOptions", "OPTION_NAMES", "PAPER_RULE", "option", "chec
 
 SNAPSHOTS = ("full", "lowrank")
 
-# The search as "Learning to Foresee" published it, and as this library ran it by default until
-# issue 38: keep the best candidate of any ladder, leave the optimizer's state alone, search at
-# every scheduled step. On SmolLM2-135M it loses to plain OPD at plain's best lr (the kept jumps
-# cost the end point, ``benchmarks/results/no_harm.md``); the defaults below keep a jump only
-# where the lr reads too small. ``ExtrapolatingOptimizer(opt, eval_fn, **PAPER_RULE)`` runs the
-# paper's rule; studies made before the change pin it (``benchmarks/harness.py``, ``AS_RUN``).
-PAPER_RULE = {"linearity": 0.0, "on_jump": "keep", "patience": None, "back_off": 0,
-              "margin": 0.0}
+PAPER_RULE: Mapping[str, Any] = MappingProxyType(
+    {"linearity": 0.0, "on_jump": "keep", "patience": None, "back_off": 0, "margin": 0.0})
+"""The search as "Learning to Foresee" published it, and as this library ran it by default
+until issue 38: keep the best candidate of any ladder, leave the optimizer's state alone, search
+at every scheduled step. ``ExtrapolatingOptimizer(opt, eval_fn, **PAPER_RULE)`` runs it. On
+SmolLM2-135M it lost to plain OPD at plain's best lr (the kept jumps cost the end point,
+``benchmarks/results/no_harm.md``); the defaults keep a jump only where the lr reads far too
+small. The studies made before the change pin it (``benchmarks/harness.py``, ``AS_RUN``)."""
 
 
 def option(default: Any, help: str, *, choices: Sequence[Any] | None = None,

@@ -4,6 +4,7 @@ and a checkpoint resume continues the schedule, the anchor and the history."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -172,6 +173,19 @@ def test_never_improving_gate_is_bit_identical(tmp_path):
     assert all(r.accepted is None for r in cb.history)
     assert len(calls) == 2 * len(SEARCH_STEPS)
     _same(_params(plain), _params(module))
+
+
+def test_the_default_rule_keeps_a_linear_ladder_and_resets_adams_state(tmp_path):
+    """The callback's defaults: a ladder whose gain is linear in c keeps c = 16, and the jump
+    restarts the AdamW state of the optimizer Lightning built, counted again from step 1."""
+    module = Regression()
+    ladder = itertools.cycle([0.0, 1.0, 2.0, 4.0, 8.0, 16.0])  # W_t, then the score is c
+    cb = ExtrapolationCallback(ladder.__next__, schedule=[2])
+    trainer = _trainer(tmp_path, [cb], max_steps=3)
+    trainer.fit(module, _loader())
+    assert [(r.step, r.accepted) for r in cb.history] == [(2, 16.0)]
+    state = trainer.optimizers[0].state
+    assert {int(state[p]["step"]) for p in module.parameters()} == {1}  # 3 steps, reset at 2
 
 
 def _saver(tmp_path) -> ModelCheckpoint:

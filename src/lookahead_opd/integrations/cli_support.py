@@ -135,9 +135,9 @@ def parse_dataclass(cls: type, args: Sequence[str], *, prog: str,
     fields' own. Only each field's ``help`` reaches argparse: ``choices`` and ``minimum`` are
     checked by the config itself, with its own messages. A parse error is one line (a
     ``UsageError``), ``--flag -1e-3`` is a negative number, an optional field takes ``none``
-    (``--patience none``), and ``--no_x`` says what it does (the field's ``negated_help``). ``epilog`` ends ``--help``, its lines kept as written. Fields
-    named in ``cls.CLI_HIDDEN`` (ones the command sets itself) get no flag and keep their
-    defaults."""
+    (``--patience none``), and ``--no_x`` says what it does (the field's ``negated_help``).
+    ``epilog`` ends ``--help``, its lines kept as written. Fields named in ``cls.CLI_HIDDEN``
+    (ones the command sets itself) get no flag and keep their defaults."""
     import argparse
 
     from transformers import HfArgumentParser
