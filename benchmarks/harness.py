@@ -42,9 +42,8 @@ from typing import Any, TypedDict
 
 import torch
 
-from lookahead_opd import PAPER_RULE
-
 from benchmarks.common import machine_info, previous_results, write_results
+from lookahead_opd import PAPER_RULE
 
 ZOO = Path(__file__).resolve().parent / "zoo"  # the committed pairs (a zoo cache folder)
 LOSS = "reverse_kl"  # every study's loss unless it asks for another
